@@ -1,0 +1,1 @@
+"""Attention metadata built by the input builder and the pure-torch reference attention."""

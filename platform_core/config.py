@@ -1,0 +1,167 @@
+"""Engine configuration: frozen dataclasses validated on construction, loadable from YAML.
+
+Every knob of the engine lives in one of the section dataclasses below. ``EngineConfig.from_flat``
+accepts the flat keyword style used by ``LLM(...)``, the CLI and YAML files, routes each key to its
+section, and rejects an unknown key with a message that names it and lists the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from platform_core.errors import ConfigError
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model to load and how."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    generation_config: str = "auto"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; valid values: {_DTYPES}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.generation_config not in ("auto", "none"):
+            raise ConfigError(
+                f"generation_config must be 'auto' or 'none', got {self.generation_config!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV-cache sizing and prefix caching."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(
+                f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ConfigError(
+                f"memory_utilization must be in (0, 1], got {self.memory_utilization}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous-batching limits and the per-step token budget."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Distributed layout (single process until the distributed issue lands)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """All sections together, plus the backend choice."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    backend: str = "auto"
+
+    @classmethod
+    def from_flat(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keys (``block_size=32, dtype="float32", ...``); unknown keys raise."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        top: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key == "backend":
+                top[key] = value
+                continue
+            section = _KEY_TO_SECTION.get(key)
+            if section is None:
+                raise ConfigError(
+                    f"unknown config key {key!r}; valid keys: {sorted(valid_keys())}"
+                )
+            sections[section][key] = value
+        return cls(
+            **{name: _SECTIONS[name](**values) for name, values in sections.items()}, **top
+        )
+
+    def replace(self, **flat: Any) -> EngineConfig:
+        """Return a copy with flat keys changed (same key names as ``from_flat``)."""
+        return EngineConfig.from_flat(**{**self.to_flat(), **flat})
+
+    def to_flat(self) -> dict[str, Any]:
+        """The inverse of ``from_flat``."""
+        flat: dict[str, Any] = {"backend": self.backend}
+        for name in _SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        return flat
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
+_KEY_TO_SECTION = {f.name: name for name, cls in _SECTIONS.items() for f in fields(cls)}
+
+
+def valid_keys() -> set[str]:
+    """All flat configuration keys."""
+    return set(_KEY_TO_SECTION) | {"backend"}
+
+
+def load_yaml_config(path: str | Path) -> dict[str, Any]:
+    """Read a flat YAML mapping of config keys; unknown keys raise ``ConfigError`` naming them."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    normalized = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(normalized) - valid_keys())
+    if unknown:
+        raise ConfigError(f"{path}: unknown config key(s) {unknown}; valid keys: {sorted(valid_keys())}")
+    return normalized

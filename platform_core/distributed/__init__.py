@@ -1,0 +1,1 @@
+"""Collective communication between ranks, behind a backend-supplied communicator."""

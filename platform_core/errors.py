@@ -1,0 +1,39 @@
+"""Typed exceptions raised by platform-core; the server maps them to HTTP status codes."""
+
+
+class PlatformCoreError(Exception):
+    """Base class of every error platform-core raises on purpose."""
+
+
+class ConfigError(PlatformCoreError, ValueError):
+    """An invalid or unknown configuration value."""
+
+
+class InvalidRequestError(PlatformCoreError, ValueError):
+    """A request the engine cannot accept (bad parameters, prompt too long, ...)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class BackendError(PlatformCoreError, RuntimeError):
+    """A backend could not be found, loaded, or chosen."""
+
+
+class UnsupportedByBackendError(BackendError):
+    """The configuration asks for something the chosen backend does not declare."""
+
+    def __init__(self, backend: str, capability: str, value: object, valid: object) -> None:
+        super().__init__(
+            f"backend {backend!r} does not support {capability}={value!r}; "
+            f"valid values: {valid}"
+        )
+        self.backend = backend
+        self.capability = capability
+        self.value = value
+        self.valid = valid
+
+
+class ModelLoadError(PlatformCoreError, RuntimeError):
+    """A model could not be located or loaded."""

@@ -1,0 +1,1 @@
+"""The backend plugin contract (pluggy hookspecs) and the manager that discovers backends."""

@@ -1,0 +1,165 @@
+"""The objects a backend supplies: small ABCs whose docstrings are the contract.
+
+A backend package implements :class:`Backend` (its device, attention ops, memory profiler and
+communicator factory) and describes itself with :class:`BackendInfo`. Everything here is plain
+data or small interfaces; no method of the core is ever monkeypatched by a backend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from platform_core.attention.metadata import AttentionMetadata
+    from platform_core.config import EngineConfig
+    from platform_core.distributed.communicator import Communicator
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend declares it can run; the core checks configs against it.
+
+    ``features`` names optional abilities (``"prefix_caching"``, ``"chunked_prefill"``,
+    ``"cuda_graphs"``, ``"fp8_kv"``, ...). ``max_batch`` of ``None`` means unlimited.
+    """
+
+    dtypes: tuple[str, ...]
+    head_sizes: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+    max_batch: int | None = None
+    features: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """One row of ``platform-core backends``: every backend reports one, usable or not."""
+
+    name: str
+    package: str
+    version: str
+    api_version: tuple[int, int]
+    available: bool
+    reason: str
+    priority: int
+    device: str
+    capabilities: Capabilities | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigAdjustment:
+    """A change a backend asks the core to make to the config, with the reason (logged)."""
+
+    key: str
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Device memory as measured by a backend's profiler, in bytes.
+
+    ``peak_bytes`` is the extra memory used at the peak of a dummy forward pass (activations),
+    ``weights_bytes`` what the loaded model occupies, ``available_bytes`` what was free before
+    the KV cache is allocated.
+    """
+
+    device: str
+    total_bytes: int
+    available_bytes: int
+    weights_bytes: int
+    peak_bytes: int
+
+    def kv_budget_bytes(self, utilization: float) -> int:
+        """Bytes left for the KV cache when using ``utilization`` of the total memory."""
+        used_by_others = self.total_bytes - self.available_bytes
+        limit = int(self.total_bytes * utilization) - used_by_others - self.peak_bytes
+        return max(0, min(limit, self.available_bytes - self.peak_bytes))
+
+
+class AttentionOps(ABC):
+    """Paged-attention kernels of one backend.
+
+    The cache of one layer is a single tensor whose shape the backend chooses through
+    :meth:`kv_cache_shape`; the core only allocates it and passes it back. ``write_kv`` mutates
+    the cache in place; ``forward`` reads it and mutates nothing.
+    """
+
+    @abstractmethod
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache."""
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]`` at their slots.
+
+        A slot of ``-1`` marks a padding token: nothing is written for it.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of ``query`` ``[num_tokens, num_heads, head_size]`` over the cache.
+
+        The batch mixes prefill chunks and decodes (see ``AttentionMetadata``); the K/V of the
+        query tokens themselves have already been written by ``write_kv``. Returns
+        ``[num_tokens, num_heads, head_size]`` in ``query``'s dtype.
+        """
+
+
+class MemoryProfiler(ABC):
+    """Measures device memory so the core can size the KV cache."""
+
+    @abstractmethod
+    def profile(self, run_dummy_forward: Callable[[], None], weights_bytes: int) -> MemoryReport:
+        """Run ``run_dummy_forward`` once and report memory, its peak included."""
+
+
+class Backend(ABC):
+    """A hardware backend: the device-specific parts only.
+
+    Attributes:
+        name: the backend's registered name (``"cpu"``, ``"cuda"``, ...).
+        device: the ``torch.device`` tensors live on.
+        capabilities: what it declares it can run.
+        attention: its paged-attention ops.
+        memory: its memory profiler.
+    """
+
+    name: str
+    device: torch.device
+    capabilities: Capabilities
+    attention: AttentionOps
+    memory: MemoryProfiler
+
+    @abstractmethod
+    def communicator(self, group: Any = None) -> Communicator:
+        """A communicator over ``group`` (``None``: the default process group)."""
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook, a no-op for synchronous devices
+        """Wait for queued device work; a no-op on synchronous devices."""
+
+    def op_overrides(self) -> dict[str, Callable[..., Any]]:
+        """Optional fused ops by name (``"rms_norm"``, ``"rotary"``, ``"silu_and_mul"``)."""
+        return {}
+
+    def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
+        """Config changes this backend needs; the core applies and logs each one."""
+        return []
