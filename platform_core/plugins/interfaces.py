@@ -131,6 +131,10 @@ class MemoryProfiler(ABC):
     def profile(self, run_dummy_forward: Callable[[], None], weights_bytes: int) -> MemoryReport:
         """Run ``run_dummy_forward`` once and report memory, its peak included."""
 
+    def kv_cache_budget(self, report: MemoryReport, utilization: float) -> int:
+        """Bytes to give the KV cache when the user set no ``kv_cache_memory_bytes``."""
+        return report.kv_budget_bytes(utilization)
+
 
 class Backend(ABC):
     """A hardware backend: the device-specific parts only.

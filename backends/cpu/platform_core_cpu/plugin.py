@@ -1,0 +1,92 @@
+"""pluggy hook implementations that register the CPU backend with platform-core."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+
+from platform_core.config import EngineConfig
+from platform_core.plugins.hookspecs import hookimpl
+from platform_core.plugins.interfaces import (
+    Backend,
+    BackendInfo,
+    Capabilities,
+    ConfigAdjustment,
+)
+
+NAME = "cpu"
+API_VERSION = (1, 0)  # the plugin contract version this package implements
+CAPABILITIES = Capabilities(
+    dtypes=("float32", "bfloat16"),
+    head_sizes=(16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256),
+    block_sizes=(8, 16, 32, 64, 128),
+    max_batch=None,
+    features=("prefix_caching", "chunked_prefill"),
+)
+
+
+def _package_version() -> str:
+    try:
+        return version("platform-core-cpu")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def cpu_supports_bf16() -> bool:
+    """Whether this CPU has native bf16 arithmetic (AVX512-BF16 or AMX)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class CpuBackend(Backend):
+    """The CPU backend: runs everywhere; the fallback when no accelerator is present."""
+
+    def __init__(self) -> None:
+        from platform_core_cpu.attention import CpuAttentionOps
+        from platform_core_cpu.memory import CpuMemoryProfiler
+
+        self.name = NAME
+        self.device = torch.device("cpu")
+        self.capabilities = CAPABILITIES
+        self.attention = CpuAttentionOps()
+        self.memory = CpuMemoryProfiler()
+
+    def communicator(self, group: Any = None):
+        from platform_core.distributed.communicator import TorchDistributedCommunicator
+
+        return TorchDistributedCommunicator(group=group, device=self.device)
+
+    def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
+        if config.model.dtype != "float16":
+            return []
+        target = "bfloat16" if cpu_supports_bf16() else "float32"
+        return [
+            ConfigAdjustment(
+                "dtype", target, "float16 matmul is very slow on CPUs; using " + target
+            )
+        ]
+
+
+@hookimpl
+def platform_core_backend_info() -> BackendInfo:
+    return BackendInfo(
+        name=NAME,
+        package="platform-core-cpu",
+        version=_package_version(),
+        api_version=API_VERSION,
+        available=True,
+        reason="always available",
+        priority=0,
+        device=f"cpu ({torch.get_num_threads()} threads)",
+        capabilities=CAPABILITIES,
+    )
+
+
+@hookimpl
+def platform_core_create_backend(name: str, config: EngineConfig) -> Backend | None:
+    return CpuBackend() if name == NAME else None

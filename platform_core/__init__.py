@@ -1,0 +1,26 @@
+"""platform-core: a hardware-agnostic LLM inference and serving engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from platform_core.entrypoints.llm import LLM
+    from platform_core.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import platform_core` (e.g. by a backend probe) does not import torch models.
+    if name == "LLM":
+        from platform_core.entrypoints.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from platform_core.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'platform_core' has no attribute {name!r}")

@@ -1,0 +1,97 @@
+"""The ``platform-core`` command: generate, backends (more subcommands register here)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from platform_core.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from platform_core.errors import PlatformCoreError
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from platform_core.entrypoints.llm import LLM
+    from platform_core.sampling_params import SamplingParams
+
+    llm = LLM(config=engine_config_from_args(args))
+    overrides = {
+        k: v
+        for k, v in (
+            ("max_tokens", args.max_tokens),
+            ("temperature", args.temperature),
+            ("top_p", args.top_p),
+            ("top_k", args.top_k),
+            ("seed", args.sampling_seed),
+        )
+        if v is not None
+    }
+    params = SamplingParams(**{**llm.engine.default_sampling, **overrides})
+    for prompt in args.prompt:
+        output = llm.generate(prompt, params, use_tqdm=False)[0]
+        print(output.outputs[0].text, flush=True)
+    return 0
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    from platform_core.plugins.manager import PluginManager
+
+    rows = PluginManager().probe()
+    if not rows:
+        print("no backend plugins installed (try: pip install platform-core[cpu])")
+        return 1
+    header = ("name", "package", "version", "available", "priority", "device", "reason")
+    table = [header] + [
+        (r.name, r.package, r.version, "yes" if r.available else "no", str(r.priority), r.device,
+         r.reason)
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for r in rows:
+        if r.capabilities is not None:
+            c = r.capabilities
+            print(
+                f"{r.name}: dtypes={list(c.dtypes)} head_sizes={list(c.head_sizes)} "
+                f"block_sizes={list(c.block_sizes)} features={list(c.features)}"
+            )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(prog="platform-core", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one or more prompts and print them")
+    generate.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    generate.add_argument("--max-tokens", type=int, default=None)
+    generate.add_argument("--temperature", type=float, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(generate)
+    generate.set_defaults(func=_cmd_generate)
+
+    backends = commands.add_parser("backends", help="list installed backends and why each is usable")
+    backends.set_defaults(func=_cmd_backends)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``platform-core`` command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        return args.func(args)
+    except PlatformCoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

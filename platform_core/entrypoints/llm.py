@@ -1,0 +1,114 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+from tqdm import tqdm
+
+from platform_core.config import EngineConfig
+from platform_core.engine.llm_engine import LLMEngine
+from platform_core.engine.outputs import RequestOutput
+from platform_core.errors import InvalidRequestError
+from platform_core.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+
+
+class LLM:
+    """Generate completions for batches of prompts on one model.
+
+    Keyword arguments are engine config keys (``dtype``, ``block_size``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``enable_prefix_caching``, ``kv_cache_memory_bytes``, ``seed``,
+    ``backend``, ...); an unknown key raises ``ConfigError`` naming it.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any
+    ) -> None:
+        if config is None:
+            config = EngineConfig.from_flat(model=model, **kwargs)
+        elif model is not None or kwargs:
+            raise TypeError("pass either config= or model/config keys, not both")
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams carrying the model's generation-config defaults."""
+        return SamplingParams(**self.engine.default_sampling)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt is a string or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"``).
+        ``sampling_params`` is one for all prompts or one per prompt.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_for(len(prompts), sampling_params)
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_ids.append(self._add(prompt, params))
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def _params_for(
+        self, count: int, params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise InvalidRequestError(
+                f"got {len(params)} sampling params for {count} prompts", "sampling_params"
+            )
+        return list(params)
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        request_id = self.engine.new_request_id()
+        if isinstance(prompt, str):
+            self.engine.add_request(request_id, prompt, params)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            self.engine.add_request(
+                request_id, prompt.get("prompt"), params, prompt_token_ids=prompt["prompt_token_ids"]
+            )
+        else:
+            raise InvalidRequestError(
+                "a prompt must be a string or a dict with 'prompt_token_ids'", "prompts"
+            )
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm or len(request_ids) < 2)
+        try:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        results[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (preemptions, prefix-cache tokens, KV blocks, ...)."""
+        return self.engine.stats()

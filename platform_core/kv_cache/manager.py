@@ -1,0 +1,129 @@
+"""Per-request block tables on top of the block pool, with automatic prefix caching.
+
+Ownership: the manager owns each request's block list and its block hashes; requests never hold
+block ids themselves. Every allocation either succeeds whole or changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from platform_core.kv_cache.block_pool import BlockPool, BlockPoolError
+from platform_core.kv_cache.hashing import extend_block_hashes
+from platform_core.scheduler.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters of prefix-cache lookups at admission, in tokens (the scheduler updates them)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class KVCacheManager:
+    """Allocates slots as sequences grow and frees them on finish, abort or preemption."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.stats = PrefixCacheStats()
+        self._blocks: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[bytes]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's blocks in token order (empty if it holds none)."""
+        return self._blocks.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks already holding a prefix of the request's tokens (not yet claimed).
+
+        At most ``num_tokens - 1`` tokens are matched: the last token must be computed so that
+        the model yields logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._hashes_of(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; claim ``cached_blocks`` first.
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        cached_blocks = cached_blocks or []
+        held = self._blocks.get(request.request_id, [])
+        num_cached_tokens = len(cached_blocks) * self.block_size
+        total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(held) - len(cached_blocks)
+        # Cached blocks nobody holds sit in the free queue: claiming them shrinks it.
+        free_cached = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        if max(num_new_blocks, 0) > self.pool.num_free_blocks - free_cached:
+            return False
+        self.pool.touch(cached_blocks)
+        blocks = self._blocks.setdefault(request.request_id, held)
+        blocks.extend(cached_blocks)
+        if num_new_blocks > 0:
+            blocks.extend(self.pool.allocate(num_new_blocks))
+        if cached_blocks:
+            self._num_cached_blocks[request.request_id] = len(blocks) - max(num_new_blocks, 0)
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's newly completed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes_of(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first so shared prefixes are evicted last."""
+        blocks = self._blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(blocks[::-1])
+
+    def forget(self, request: Request) -> None:
+        """Drop the request's hash chain once it is finished for good."""
+        self._hashes.pop(request.request_id, None)
+
+    def _hashes_of(self, request: Request) -> list[bytes]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) < request.num_tokens // self.block_size:
+            extra = (request.cache_salt,) if request.cache_salt else ()
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra)
+        return hashes
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: every held block is counted once per holder."""
+        self.pool.check_integrity()
+        holders = [0] * self.pool.num_blocks
+        for blocks in self._blocks.values():
+            for block_id in blocks:
+                holders[block_id] += 1
+        if holders != self.pool.ref_counts:
+            bad = [i for i, (h, r) in enumerate(zip(holders, self.pool.ref_counts)) if h != r]
+            raise BlockPoolError(f"ref counts disagree with block tables at blocks {bad[:10]}")

@@ -1,0 +1,1 @@
+"""Batched sampling from logits, every request with its own parameters."""

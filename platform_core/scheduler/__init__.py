@@ -1,0 +1,1 @@
+"""Continuous-batching scheduler: pure Python, no torch."""

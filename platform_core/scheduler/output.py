@@ -1,0 +1,63 @@
+"""Typed messages between the scheduler and the model runner.
+
+``SchedulerOutput`` carries everything the input builder needs as plain data, so it can cross a
+process boundary without the scheduler's objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from platform_core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute ``token_ids`` starting at ``start_position``.
+
+    ``sample`` is True when this step reaches the end of the known tokens, so the last position's
+    logits are sampled. ``prompt_token_ids`` and ``output_token_ids`` are the request's own lists
+    (shared, not copied, in process) for penalties and seeded sampling.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the sequence once this step's tokens are computed."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What to run in one step."""
+
+    scheduled: list[ScheduledRequest]
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Sampled tokens of the requests that sampled this step, keyed by request id."""
+
+    sampled: dict[str, int]

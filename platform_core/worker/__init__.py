@@ -1,0 +1,1 @@
+"""Turning scheduler decisions into device tensors and running the model on them."""

@@ -1,0 +1,45 @@
+"""A model-free driver for the scheduler: every sampled token is a function of the sequence."""
+
+from platform_core.config import CacheConfig, SchedulerConfig
+from platform_core.sampling_params import SamplingParams
+from platform_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from platform_core.scheduler.request import Request
+from platform_core.scheduler.scheduler import Scheduler
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    prefix_caching: bool = True,
+    chunked_prefill: bool = True,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked_prefill),
+        CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+        num_blocks,
+    )
+
+
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+    return Request(
+        request_id, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        max_tokens=max_tokens,
+    )
+
+
+def fake_token(token_ids: list[int]) -> int:
+    return (sum(token_ids) * 31 + len(token_ids)) % 97
+
+
+def run_step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
+    """Schedule, 'execute' by the fake rule, update; return the step and who finished."""
+    output = scheduler.schedule()
+    sampled = {}
+    for item in output.scheduled:
+        if item.sample:
+            request = scheduler.requests[item.request_id]
+            sampled[item.request_id] = fake_token(request.all_token_ids)
+    finished = scheduler.update(output, ModelRunnerOutput(sampled))
+    return output, finished

@@ -1,0 +1,103 @@
+"""KV manager: slot allocation as sequences grow, prefix hashing and sharing, freeing."""
+
+from platform_core.kv_cache.hashing import extend_block_hashes, hash_block
+from platform_core.kv_cache.manager import KVCacheManager
+from platform_core.sampling_params import SamplingParams
+from platform_core.scheduler.request import Request
+
+
+def make_request(request_id: str, tokens: list[int], salt: str | None = None) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(), cache_salt=salt)
+
+
+def test_chained_hash_depends_on_whole_prefix():
+    a, b = [], []
+    extend_block_hashes(a, [1, 2, 3, 4, 5, 6], 2)
+    extend_block_hashes(b, [9, 9, 3, 4, 5, 6], 2)
+    assert len(a) == 3
+    assert a[0] != b[0] and a[1] != b[1]  # same tokens in block 1, different parents
+    assert hash_block(a[0], [3, 4]) == a[1]
+
+
+def test_allocation_grows_by_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    req = make_request("r", list(range(10)))
+    assert kv.allocate_slots(req, 10)
+    assert len(kv.block_ids("r")) == 3
+    req.num_computed_tokens = 10
+    assert kv.allocate_slots(req, 2)  # 12 tokens: still 3 blocks
+    assert len(kv.block_ids("r")) == 3
+    req.num_computed_tokens = 12
+    assert kv.allocate_slots(req, 1)
+    assert len(kv.block_ids("r")) == 4
+    kv.check_integrity()
+    kv.free(req)
+    assert kv.pool.num_free_blocks == 10
+
+
+def test_failed_allocation_changes_nothing():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    req = make_request("r", list(range(12)))
+    assert not kv.allocate_slots(req, 12)
+    assert kv.block_ids("r") == [] and kv.pool.num_free_blocks == 2
+    kv.check_integrity()
+
+
+def test_prefix_is_shared_and_last_token_always_recomputed():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    first = make_request("a", list(range(8)))
+    assert kv.allocate_slots(first, 8)
+    first.num_computed_tokens = 8
+    kv.cache_computed_blocks(first)
+
+    same = make_request("b", list(range(8)))
+    hits = kv.find_cached_prefix(same)
+    assert hits == kv.block_ids("a")[:1]  # 8 tokens: at most 7 may come from the cache
+    longer = make_request("c", list(range(8)) + [99])
+    hits = kv.find_cached_prefix(longer)
+    assert hits == kv.block_ids("a")
+    assert kv.allocate_slots(longer, 1, hits)
+    assert kv.block_ids("c")[:2] == kv.block_ids("a")
+    assert kv.pool.ref_counts[hits[0]] == 2
+    kv.check_integrity()
+    kv.free(first)
+    kv.free(longer)
+    kv.check_integrity()
+    assert kv.pool.num_free_blocks == 10
+
+
+def test_freed_blocks_stay_cached_until_reused():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)
+    kv.free(a)
+    again = make_request("a2", [1, 2, 3, 4, 5])
+    assert len(kv.find_cached_prefix(again)) == 2
+
+
+def test_cache_salt_separates_tenants():
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5], salt="alice")
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)
+    assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5], salt="bob")) == []
+    assert len(kv.find_cached_prefix(make_request("c", [1, 2, 3, 4, 5], salt="alice"))) == 2
+
+
+def test_claiming_free_cached_blocks_counts_against_free_space():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)
+    kv.free(a)
+    b = make_request("b", [1, 2, 3, 4, 9, 9, 9, 9])
+    hits = kv.find_cached_prefix(b)
+    assert len(hits) == 2
+    # 8 tokens need 4 blocks: 2 cached + 2 new, but only 1 block is free beyond the cached ones.
+    assert not kv.allocate_slots(b, 4, hits)
+    kv.check_integrity()
+    assert kv.pool.num_free_blocks == 3
