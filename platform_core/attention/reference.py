@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from platform_core.attention.metadata import AttentionMetadata
+from platform_core.plugins.interfaces import AttentionOps
 
 
 def reference_kv_cache_shape(
@@ -78,3 +79,34 @@ def reference_paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
     return out
+
+
+class ReferenceAttentionOps(AttentionOps):
+    """The reference functions behind the ``AttentionOps`` interface (any device, slow).
+
+    Used as the oracle by tests and conformance, and as the attention of minimal backends such
+    as the vendor template.
+    """
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return reference_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reference_write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return reference_paged_attention(query, kv_cache, metadata, scale)

@@ -132,7 +132,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     max_model_len = _max_model_len(config, hf_config)
     block_size = config.cache.block_size
     blocks_per_seq = -(-max_model_len // block_size)
-    plan = runner.plan_kv_cache(config.scheduler.max_num_seqs * blocks_per_seq)
+    plan = runner.plan_kv_cache(config.scheduler.max_num_seqs * blocks_per_seq, max_model_len)
     if plan.num_blocks < 1:
         raise ConfigError(
             f"no memory is left for the KV cache (budget {plan.budget_bytes} bytes from "

@@ -72,7 +72,7 @@ class ModelRunner:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.block_size * m.num_kv_heads * m.head_size * element * m.num_layers
 
-    def plan_kv_cache(self, max_useful_blocks: int) -> KVCachePlan:
+    def plan_kv_cache(self, max_useful_blocks: int, max_model_len: int) -> KVCachePlan:
         """Size the KV cache: user override, else measured memory; never more than useful."""
         cache = self.config.cache
         report = None
@@ -81,7 +81,9 @@ class ModelRunner:
         elif cache.kv_cache_memory_bytes is not None:
             budget, source = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         else:
-            report = self.backend.memory.profile(self._dummy_forward, self.weights_bytes)
+            report = self.backend.memory.profile(
+                lambda: self._dummy_forward(max_model_len), self.weights_bytes
+            )
             budget = self.backend.memory.kv_cache_budget(report, cache.memory_utilization)
             source = "profiled"
         num_blocks = min(budget // self.bytes_per_block, max_useful_blocks)
@@ -119,21 +121,31 @@ class ModelRunner:
         return self.sampler(logits, metadata).tolist()
 
     @torch.inference_mode()
-    def _dummy_forward(self) -> None:
-        """One forward over a full token budget, for peak-memory profiling."""
-        num_tokens = self.config.scheduler.max_num_batched_tokens
-        num_blocks = -(-num_tokens // self.block_size)
+    def _dummy_forward(self, max_model_len: int) -> None:
+        """One forward over a full token budget, for peak-memory profiling.
+
+        The budget is split into sequences no longer than the model's context.
+        """
+        remaining = self.config.scheduler.max_num_batched_tokens
+        dummies, next_block = [], 0
+        while remaining > 0:
+            length = min(remaining, max_model_len)
+            num_blocks = -(-length // self.block_size)
+            dummies.append(
+                ScheduledRequest(
+                    request_id=f"__profile_{len(dummies)}__",
+                    token_ids=[0] * length,
+                    start_position=0,
+                    block_ids=list(range(next_block, next_block + num_blocks)),
+                    sample=True,
+                    sampling_params=SamplingParams(temperature=0.0),
+                )
+            )
+            next_block += num_blocks
+            remaining -= length
         saved, self.kv_caches = self.kv_caches, []
-        self.allocate_kv_cache(num_blocks)
-        dummy = ScheduledRequest(
-            request_id="__profile__",
-            token_ids=[0] * num_tokens,
-            start_position=0,
-            block_ids=list(range(num_blocks)),
-            sample=True,
-            sampling_params=SamplingParams(temperature=0.0),
-        )
+        self.allocate_kv_cache(next_block)
         try:
-            self.execute(SchedulerOutput(scheduled=[dummy]))
+            self.execute(SchedulerOutput(scheduled=dummies))
         finally:
             self.kv_caches = saved

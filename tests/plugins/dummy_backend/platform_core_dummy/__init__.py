@@ -1,0 +1,1 @@
+"""A third-party backend for tests: installed beside platform-core, found by its entry point."""
