@@ -95,9 +95,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
-            raise ConfigError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}"
-            )
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +119,9 @@ class EngineConfig:
                 continue
             section = _KEY_TO_SECTION.get(key)
             if section is None:
-                raise ConfigError(
-                    f"unknown config key {key!r}; valid keys: {sorted(valid_keys())}"
-                )
+                raise ConfigError(f"unknown config key {key!r}; valid keys: {sorted(valid_keys())}")
             sections[section][key] = value
-        return cls(
-            **{name: _SECTIONS[name](**values) for name, values in sections.items()}, **top
-        )
+        return cls(**{name: _SECTIONS[name](**values) for name, values in sections.items()}, **top)
 
     def replace(self, **flat: Any) -> EngineConfig:
         """Return a copy with flat keys changed (same key names as ``from_flat``)."""
@@ -163,5 +157,7 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
     normalized = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(normalized) - valid_keys())
     if unknown:
-        raise ConfigError(f"{path}: unknown config key(s) {unknown}; valid keys: {sorted(valid_keys())}")
+        raise ConfigError(
+            f"{path}: unknown config key(s) {unknown}; valid keys: {sorted(valid_keys())}"
+        )
     return normalized

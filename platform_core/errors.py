@@ -26,8 +26,7 @@ class UnsupportedByBackendError(BackendError):
 
     def __init__(self, backend: str, capability: str, value: object, valid: object) -> None:
         super().__init__(
-            f"backend {backend!r} does not support {capability}={value!r}; "
-            f"valid values: {valid}"
+            f"backend {backend!r} does not support {capability}={value!r}; valid values: {valid}"
         )
         self.backend = backend
         self.capability = capability

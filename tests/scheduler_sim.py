@@ -24,7 +24,9 @@ def make_scheduler(
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
     return Request(
-        request_id, list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        request_id,
+        list(prompt),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
         max_tokens=max_tokens,
     )
 

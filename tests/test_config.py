@@ -30,8 +30,12 @@ def test_unknown_key_is_named():
 
 @pytest.mark.parametrize(
     "key,value,field",
-    [("block_size", 0, "block_size"), ("dtype", "int4", "dtype"),
-     ("memory_utilization", 1.5, "memory_utilization"), ("max_num_seqs", 0, "max_num_seqs")],
+    [
+        ("block_size", 0, "block_size"),
+        ("dtype", "int4", "dtype"),
+        ("memory_utilization", 1.5, "memory_utilization"),
+        ("max_num_seqs", 0, "max_num_seqs"),
+    ],
 )
 def test_invalid_values_name_the_field(key, value, field):
     with pytest.raises(ConfigError, match=field):

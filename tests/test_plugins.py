@@ -28,12 +28,16 @@ def test_auto_picks_highest_priority_and_name_picks_that_one():
 
 
 def test_unknown_backend_names_the_alternatives():
-    with pytest.raises(BackendError, match=r"unknown backend 'tpu-x'.*available: \['cpu', 'dummy'\]"):
+    with pytest.raises(
+        BackendError, match=r"unknown backend 'tpu-x'.*available: \['cpu', 'dummy'\]"
+    ):
         PluginManager().choose("tpu-x")
 
 
 def test_broken_plugin_is_reported_not_fatal(caplog):
-    broken = EntryPoint(name="broken", value="no_such_module_for_tests.plugin", group=ENTRY_POINT_GROUP)
+    broken = EntryPoint(
+        name="broken", value="no_such_module_for_tests.plugin", group=ENTRY_POINT_GROUP
+    )
     with caplog.at_level(logging.WARNING, logger="platform_core.plugins"):
         manager = PluginManager(eps=[broken])
     [row] = manager.probe()

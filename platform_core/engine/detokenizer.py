@@ -32,7 +32,9 @@ class IncrementalDetokenizer:
             self.tokens[self.prefix_offset : self.read_offset],
             skip_special_tokens=self.skip_special_tokens,
         )
-        full = decode(self.tokens[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
+        full = decode(
+            self.tokens[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens
+        )
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         new_text = full[len(prefix) :]

@@ -61,7 +61,11 @@ def apply_backend_adjustments(config: EngineConfig, backend: Backend) -> EngineC
         old = config.to_flat().get(change.key)
         logger.info(
             "backend %s changed %s: %r -> %r (%s)",
-            backend.name, change.key, old, change.value, change.reason,
+            backend.name,
+            change.key,
+            old,
+            change.value,
+            change.reason,
         )
         config = config.replace(**{change.key: change.value})
     return config
@@ -114,7 +118,9 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
 
     model_dir = resolve_model_path(config.model.model)
     hf_config = load_hf_config(model_dir, config.model.trust_remote_code)
-    config = config.replace(model=str(model_dir), dtype=resolve_dtype(config.model.dtype, hf_config))
+    config = config.replace(
+        model=str(model_dir), dtype=resolve_dtype(config.model.dtype, hf_config)
+    )
 
     plugins = PluginManager()
     backend = plugins.create(config)
@@ -122,8 +128,10 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     head_size = head_size_of(hf_config)
     check_capabilities(config, backend, head_size)
 
-    tokenizer = None if config.model.skip_tokenizer_init else load_tokenizer(
-        config.model.tokenizer or model_dir
+    tokenizer = (
+        None
+        if config.model.skip_tokenizer_init
+        else load_tokenizer(config.model.tokenizer or model_dir)
     )
     generation_config = load_generation_config(model_dir)
     dtype = _TORCH_DTYPES[config.model.dtype]
@@ -142,7 +150,8 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     if plan.num_blocks * block_size < max_model_len:
         logger.warning(
             "KV cache holds %d tokens, fewer than max_model_len=%d; lowering max_model_len",
-            plan.num_blocks * block_size, max_model_len,
+            plan.num_blocks * block_size,
+            max_model_len,
         )
         max_model_len = plan.num_blocks * block_size
     runner.allocate_kv_cache(plan.num_blocks)
@@ -152,9 +161,16 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     logger.info(
         "loaded %s (%s, %.1fM params, %s) on backend %s; KV cache %d blocks x %d tokens "
         "(%.1f MiB, %s); max_model_len %d",
-        model_dir, getattr(hf_config, "architectures", ["?"])[0], num_params / 1e6,
-        config.model.dtype, backend.name, plan.num_blocks, block_size,
-        plan.num_blocks * plan.bytes_per_block / 2**20, plan.source, max_model_len,
+        model_dir,
+        getattr(hf_config, "architectures", ["?"])[0],
+        num_params / 1e6,
+        config.model.dtype,
+        backend.name,
+        plan.num_blocks,
+        block_size,
+        plan.num_blocks * plan.bytes_per_block / 2**20,
+        plan.source,
+        max_model_len,
     )
     vocab_size = runner.model.vocab_size
     return EngineSetup(

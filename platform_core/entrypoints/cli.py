@@ -42,8 +42,15 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         return 1
     header = ("name", "package", "version", "available", "priority", "device", "reason")
     table = [header] + [
-        (r.name, r.package, r.version, "yes" if r.available else "no", str(r.priority), r.device,
-         r.reason)
+        (
+            r.name,
+            r.package,
+            r.version,
+            "yes" if r.available else "no",
+            str(r.priority),
+            r.device,
+            r.reason,
+        )
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -66,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="complete one or more prompts and print them")
-    generate.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    generate.add_argument(
+        "--prompt", action="append", required=True, help="prompt text (repeatable)"
+    )
     generate.add_argument("--max-tokens", type=int, default=None)
     generate.add_argument("--temperature", type=float, default=None)
     generate.add_argument("--top-p", type=float, default=None)
@@ -75,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(generate)
     generate.set_defaults(func=_cmd_generate)
 
-    backends = commands.add_parser("backends", help="list installed backends and why each is usable")
+    backends = commands.add_parser(
+        "backends", help="list installed backends and why each is usable"
+    )
     backends.set_defaults(func=_cmd_backends)
     return parser
 
@@ -84,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``platform-core`` command."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=args.log_level.upper(),
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     try:
         return args.func(args)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 from tqdm import tqdm
 
@@ -13,7 +13,7 @@ from platform_core.engine.outputs import RequestOutput
 from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
 
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 
 
 class LLM:
@@ -83,7 +83,10 @@ class LLM:
             self.engine.add_request(request_id, prompt, params)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             self.engine.add_request(
-                request_id, prompt.get("prompt"), params, prompt_token_ids=prompt["prompt_token_ids"]
+                request_id,
+                prompt.get("prompt"),
+                params,
+                prompt_token_ids=prompt["prompt_token_ids"],
             )
         else:
             raise InvalidRequestError(
@@ -94,7 +97,9 @@ class LLM:
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm or len(request_ids) < 2)
+        bar = tqdm(
+            total=len(request_ids), desc="generating", disable=not use_tqdm or len(request_ids) < 2
+        )
         try:
             while pending:
                 for output in self.engine.step():

@@ -39,7 +39,7 @@ class PluginManager:
     def _load(self, ep: EntryPoint) -> None:
         try:
             self._pm.register(ep.load(), name=ep.name)
-        except Exception as exc:  # noqa: BLE001 - any import failure is reported, never fatal
+        except Exception as exc:
             logger.warning("backend plugin %r failed to load: %r", ep.name, exc)
             self._broken.append(_broken_info(ep, f"failed to import: {exc!r}"))
 
@@ -49,7 +49,7 @@ class PluginManager:
         for impl in self._pm.hook.platform_core_backend_info.get_hookimpls():
             try:
                 info = impl.function()
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 rows.append(_broken_info(None, f"probe raised {exc!r}", impl.plugin_name))
                 continue
             if not hookspecs.api_compatible(info.api_version):
@@ -106,10 +106,9 @@ def _broken_info(ep: EntryPoint | None, reason: str, name: str | None = None) ->
 
 
 def _incompatible(info: BackendInfo) -> BackendInfo:
-    reason = (
-        f"implements plugin API {info.api_version[0]}.{info.api_version[1]}, but this "
-        f"platform-core provides {hookspecs.PLUGIN_API_VERSION[0]}.{hookspecs.PLUGIN_API_VERSION[1]}"
-    )
+    declared = ".".join(map(str, info.api_version))
+    provided = ".".join(map(str, hookspecs.PLUGIN_API_VERSION))
+    reason = f"implements plugin API {declared}, but this platform-core provides {provided}"
     return dataclasses.replace(info, available=False, reason=reason)
 
 

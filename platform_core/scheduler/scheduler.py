@@ -32,7 +32,9 @@ class SchedulerStats:
 class Scheduler:
     """Decides which tokens of which requests run in each step; owns request lifetimes."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+    def __init__(
+        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+    ):
         self.config = scheduler_config
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching

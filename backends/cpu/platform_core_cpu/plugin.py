@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ def _package_version() -> str:
 def cpu_supports_bf16() -> bool:
     """Whether this CPU has native bf16 arithmetic (AVX512-BF16 or AMX)."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
