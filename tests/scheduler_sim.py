@@ -22,12 +22,13 @@ def make_scheduler(
     )
 
 
-def make_request(request_id: str, prompt: list[int], max_tokens: int = 4) -> Request:
+def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Request:
     return Request(
         request_id,
         list(prompt),
-        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n),
         max_tokens=max_tokens,
+        pending_fork_ids=[f"{request_id}#{i}" for i in range(1, n)],
     )
 
 
@@ -42,6 +43,8 @@ def run_step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
     for item in output.scheduled:
         if item.sample:
             request = scheduler.requests[item.request_id]
-            sampled[item.request_id] = fake_token(request.all_token_ids)
+            token = fake_token(request.all_token_ids)
+            for index, sample_id in enumerate([item.request_id, *item.fork_ids]):
+                sampled[sample_id] = [token + index]
     finished = scheduler.update(output, ModelRunnerOutput(sampled))
     return output, finished

@@ -10,6 +10,7 @@ actions = st.lists(
             st.just("add"),
             st.lists(st.integers(0, 3), min_size=1, max_size=40),  # small alphabet: prefix hits
             st.integers(1, 12),
+            st.integers(1, 3),
         ),
         st.tuples(st.just("abort"), st.integers(0, 50)),
         st.tuples(st.just("step"), st.integers(1, 3)),
@@ -36,13 +37,13 @@ def test_random_workloads_keep_invariants(
     next_id = 0
     for action in actions:
         if action[0] == "add":
-            _, prompt, max_tokens = action
+            _, prompt, max_tokens, n = action
             prompt = prompt[: capacity - 1]
             max_tokens = min(max_tokens, capacity - len(prompt))
-            s.add_request(make_request(f"r{next_id}", prompt, max_tokens))
+            s.add_request(make_request(f"r{next_id}", prompt, max_tokens, min(n, max_num_seqs)))
             next_id += 1
         elif action[0] == "abort":
-            s.abort([f"r{action[1]}"])
+            s.abort([f"r{action[1]}", *(f"r{action[1]}#{i}" for i in (1, 2))])
         else:
             for _ in range(action[1]):
                 check_step(s, budget, max_num_seqs)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from platform_core.config import EngineConfig
 from platform_core.engine.detokenizer import IncrementalDetokenizer
-from platform_core.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from platform_core.engine.setup import EngineSetup, build_engine_parts
+from platform_core.engine.outputs import RequestMetrics, RequestOutput
+from platform_core.engine.sequence_state import RequestState, SampleState
+from platform_core.engine.setup import build_engine_parts
 from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput
@@ -23,22 +23,11 @@ from platform_core.scheduler.request import Request, RequestStatus
 logger = logging.getLogger("platform_core.engine")
 
 
-@dataclass(slots=True)
-class _Tracked:
-    """Engine-side state of a request beside the scheduler's ``Request``."""
-
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer | None
-    metrics: RequestMetrics
-    num_returned_tokens: int = 0
-
-
 class LLMEngine:
     """Owns the backend, model runner, scheduler and tokenizer of one model."""
 
     def __init__(self, config: EngineConfig) -> None:
-        parts: EngineSetup = build_engine_parts(config)
+        parts = build_engine_parts(config)
         self.config = parts.config
         self.backend = parts.backend
         self.runner = parts.runner
@@ -48,8 +37,11 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.vocab_size = parts.vocab_size
         self.model_dir = parts.model_dir
+        self.hf_config = parts.hf_config
         self.default_sampling = parts.default_sampling
-        self._tracked: dict[str, _Tracked] = {}
+        self._requests: dict[str, RequestState] = {}
+        # sample id (a request id, or a fork's id) -> (its request, its sample index)
+        self._samples: dict[str, tuple[RequestState, int]] = {}
         self._next_id = 0
 
     # ------------------------------------------------------------------ requests
@@ -71,34 +63,46 @@ class LLMEngine:
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
-    ) -> Request:
+        cache_salt: str | None = None,
+    ) -> None:
         """Validate and queue one request; raise ``InvalidRequestError`` if it cannot run."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequestError("either a prompt or prompt_token_ids is required")
             prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = list(prompt_token_ids)
         self._validate(prompt_token_ids, params)
-        if params.n != 1:
-            raise InvalidRequestError("n > 1 is not supported yet", "n")
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.time() if arrival_time is None else arrival_time
         request = Request(
             request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
             arrival_time=now,
+            cache_salt=cache_salt,
+            pending_fork_ids=[f"{request_id}#{i}" for i in range(1, params.n)],
         )
+        state = RequestState(request_id, prompt, prompt_token_ids, params, RequestMetrics(now))
+        state.samples.append(self._sample_state(request, 0))
+        self.scheduler.add_request(request)
+        self._requests[request_id] = state
+        self._samples[request_id] = (state, 0)
+        for index, fork_id in enumerate(request.pending_fork_ids, start=1):
+            self._samples[fork_id] = (state, index)
+
+    def _sample_state(self, request: Request, index: int) -> SampleState:
+        params = request.sampling_params
         detokenizer = None
         if self.tokenizer is not None and params.detokenize:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
             )
-        self.scheduler.add_request(request)
-        self._tracked[request_id] = _Tracked(request, prompt, detokenizer, RequestMetrics(now))
-        return request
+        return SampleState(request, index, detokenizer)
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -109,67 +113,85 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (at least one must be left to generate)",
                 "prompt",
             )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise InvalidRequestError(
                 f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "prompt"
             )
         params.validate_token_ids(self.vocab_size)
+        max_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_seqs:
+            raise InvalidRequestError(
+                f"n must be <= max_num_seqs ({max_seqs}), got {params.n}", "n"
+            )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
 
     def abort_request(self, request_ids: list[str]) -> None:
-        """Stop requests now; their blocks are freed. Unknown ids are ignored."""
-        for request in self.scheduler.abort(list(request_ids)):
-            self._tracked.pop(request.request_id, None)
+        """Stop requests (and all their samples) now; blocks are freed. Unknown ids are ignored."""
+        for request_id in request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is None:
+                continue
+            sample_ids = [sid for sid, (s, _) in self._samples.items() if s is state]
+            self.scheduler.abort(sample_ids)
+            for sample_id in sample_ids:
+                del self._samples[sample_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return bool(self._requests)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, execute the model, then update and report requests."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            runner_output = ModelRunnerOutput(sampled={})
+            runner_output = ModelRunnerOutput()
         else:
             runner_output = self.runner.execute(scheduler_output)
         self.scheduler.update(scheduler_output, runner_output)
+        return self._postprocess(runner_output)
+
+    def _postprocess(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
+        touched: dict[str, RequestState] = {}
+        for request_id, (first, entries) in runner_output.prompt_logprobs.items():
+            state, _ = self._samples[request_id]
+            state.record_prompt_logprobs(first, entries, self.tokenizer)
+        for sample_id in runner_output.sampled:
+            found = self._samples.get(sample_id)
+            if found is None:
+                continue
+            state, index = found
+            sample = self._sample_of(state, index, sample_id)
+            stop = sample.absorb(runner_output.logprobs.get(sample_id, []), self.tokenizer)
+            if stop is not None:
+                self.scheduler.finish(sample_id, RequestStatus.FINISHED_STOPPED, stop)
+            touched[state.request_id] = state
         outputs = []
-        for request_id in runner_output.sampled:
-            tracked = self._tracked.get(request_id)
-            if tracked is not None:
-                outputs.append(self._report(tracked, now))
+        for state in touched.values():
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            output = state.output()
+            if output.finished:
+                state.metrics.finished_time = now
+                self._forget(state)
+            outputs.append(output)
         return outputs
 
-    def _report(self, tracked: _Tracked, now: float) -> RequestOutput:
-        request = tracked.request
-        new_tokens = request.output_token_ids[tracked.num_returned_tokens :]
-        tracked.num_returned_tokens = request.num_output_tokens
-        if tracked.metrics.first_token_time is None:
-            tracked.metrics.first_token_time = now
-        if tracked.detokenizer is not None:
-            tracked.detokenizer.add(new_tokens)
-        finished = request.status.finished
-        if finished:
-            tracked.metrics.finished_time = now
-            tracked.metrics.num_cached_tokens = request.num_cached_tokens
-            tracked.metrics.num_preemptions = request.num_preemptions
-            del self._tracked[request.request_id]
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.detokenizer.text if tracked.detokenizer else "",
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=tracked.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=tracked.metrics,
-        )
+    def _sample_of(self, state: RequestState, index: int, sample_id: str) -> SampleState:
+        for sample in state.samples:
+            if sample.index == index:
+                return sample
+        sample = self._sample_state(self.scheduler.requests[sample_id], index)
+        state.samples.append(sample)
+        state.samples.sort(key=lambda s: s.index)
+        return sample
+
+    def _forget(self, state: RequestState) -> None:
+        del self._requests[state.request_id]
+        for sample in state.samples:
+            self._samples.pop(sample.request.request_id, None)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
@@ -190,6 +212,3 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }
-
-
-__all__ = ["LLMEngine", "RequestStatus"]

@@ -6,14 +6,33 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """A token's raw log-probability, its rank in the vocabulary, and its text if known."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# token id -> Logprob at one position (the chosen token plus the top alternatives)
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(slots=True)
 class CompletionOutput:
-    """One generated sequence of a request (``index`` tells which when ``n > 1``)."""
+    """One generated sequence of a request (``index`` tells which when ``n > 1``).
+
+    While the request runs, ``text`` may lag the tokens by a few characters when stop strings are
+    set: text that could still turn out to be the start of a stop string is held back.
+    """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -33,7 +52,11 @@ class RequestMetrics:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """The state of one request after an engine step; ``finished`` on its last one."""
+    """The state of one request after an engine step; ``finished`` on its last one.
+
+    ``prompt_logprobs[0]`` is ``None`` (the first token has no context); ``num_cached_tokens``
+    counts prompt tokens served from the prefix cache.
+    """
 
     request_id: str
     prompt: str | None
@@ -41,5 +64,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
     error: str | None = None
     extra: dict = field(default_factory=dict)

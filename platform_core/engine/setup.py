@@ -134,8 +134,9 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
         else load_tokenizer(config.model.tokenizer or model_dir)
     )
     generation_config = load_generation_config(model_dir)
+    eos_token_ids = eos_ids_of(hf_config, generation_config, tokenizer)
     dtype = _TORCH_DTYPES[config.model.dtype]
-    runner = ModelRunner(config, backend, model_dir, hf_config, dtype)
+    runner = ModelRunner(config, backend, model_dir, hf_config, dtype, eos_token_ids)
 
     max_model_len = _max_model_len(config, hf_config)
     block_size = config.cache.block_size
@@ -182,7 +183,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
         model_dir=model_dir,
         hf_config=hf_config,
         max_model_len=max_model_len,
-        eos_token_ids=eos_ids_of(hf_config, generation_config, tokenizer),
+        eos_token_ids=eos_token_ids,
         vocab_size=vocab_size,
         default_sampling=(
             generation_defaults(generation_config)

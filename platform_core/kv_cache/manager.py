@@ -83,6 +83,31 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = len(blocks) - max(num_new_blocks, 0)
         return True
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give ``child`` the parent's computed KV: full blocks shared, the partial one copied.
+
+        Returns the ``(src, dst)`` block copies to perform before the next forward pass (empty
+        when the parent ends on a block boundary), or ``None``, changing nothing, when no block
+        is free for the copy.
+        """
+        blocks = self._blocks.get(parent.request_id, [])
+        num_full, partial = divmod(parent.num_computed_tokens, self.block_size)
+        if partial and self.pool.num_free_blocks < 1:
+            return None
+        shared = blocks[:num_full]
+        self.pool.touch(shared)
+        child_blocks = list(shared)
+        copies = []
+        if partial:
+            [new_block] = self.pool.allocate(1)
+            child_blocks.append(new_block)
+            copies.append((blocks[num_full], new_block))
+        self._blocks[child.request_id] = child_blocks
+        self._num_cached_blocks[child.request_id] = min(
+            self._num_cached_blocks.get(parent.request_id, 0), num_full
+        )
+        return copies
+
     def cache_computed_blocks(self, request: Request) -> None:
         """Publish the request's newly completed full blocks to the prefix cache."""
         if not self.enable_prefix_caching:

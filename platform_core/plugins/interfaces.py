@@ -124,6 +124,15 @@ class AttentionOps(ABC):
         """
 
 
+    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` (copy-on-write when a sequence forks).
+
+        The default assumes the block index is dimension 1 of the cache; a backend whose layout
+        differs overrides it.
+        """
+        kv_cache[:, dst] = kv_cache[:, src]
+
+
 class MemoryProfiler(ABC):
     """Measures device memory so the core can size the KV cache."""
 

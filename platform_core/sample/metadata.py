@@ -1,4 +1,8 @@
-"""Per-step sampling parameters of the batch, gathered into tensors once."""
+"""Per-step sampling parameters of the batch, gathered into tensors once.
+
+Rows are *samples*: a request forking into ``n`` samples on its first token contributes ``n``
+rows that share one logits row (``logits_rows``).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,43 @@ from dataclasses import dataclass
 
 import torch
 
-from platform_core.scheduler.output import ScheduledRequest
+from platform_core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One row to sample: the request (or fork child) id, its params and its token history."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
 
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    """Row ``i`` describes the ``i``-th sampled request of the step.
+    """Tensors and index lists describing every row's processing.
 
-    ``generators[i]`` is the request's own generator when it has a seed, else ``None`` (the
-    engine-wide generator is used).
+    Index lists are ``(rows, token_ids)`` pairs in coordinate form, so each processor is one
+    batched tensor operation over the rows that need it.
     """
 
+    rows: list[SampleRow]
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
+    greedy_rows: torch.Tensor
     all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
-    greedy_rows: torch.Tensor
+    needs_min_p: bool
     generators: list[torch.Generator | None]
+    allowed: tuple[list[int], list[int]] | None
+    bias: tuple[list[int], list[int], list[float]] | None
+    blocked: tuple[list[int], list[int]] | None
+    penalty_rows: list[int]
+    max_logprobs: int
 
 
 class GeneratorStore:
@@ -33,15 +55,14 @@ class GeneratorStore:
     def __init__(self) -> None:
         self._generators: dict[str, torch.Generator] = {}
 
-    def get(self, request: ScheduledRequest) -> torch.Generator | None:
-        seed = request.sampling_params.seed
+    def get(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
-        generator = self._generators.get(request.request_id)
+        generator = self._generators.get(request_id)
         if generator is None:
             generator = torch.Generator()
             generator.manual_seed(seed)
-            self._generators[request.request_id] = generator
+            self._generators[request_id] = generator
         return generator
 
     def drop(self, request_ids: list[str]) -> None:
@@ -50,21 +71,54 @@ class GeneratorStore:
 
 
 def build_sampling_metadata(
-    requests: list[ScheduledRequest], generators: GeneratorStore, device: torch.device
+    rows: list[SampleRow],
+    generators: GeneratorStore,
+    eos_token_ids: frozenset[int],
+    device: torch.device,
 ) -> SamplingMetadata:
-    """Collect the sampled requests' parameters into tensors on ``device``."""
-    params = [r.sampling_params for r in requests]
+    """Collect the rows' parameters into tensors and index lists on ``device``."""
+    params = [r.params for r in rows]
     greedy = [p.greedy for p in params]
-    temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-    top_k = [p.top_k for p in params]
-    top_p = [p.top_p for p in params]
+    allowed_rows: list[int] = []
+    allowed_ids: list[int] = []
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    blocked_rows: list[int] = []
+    blocked_ids: list[int] = []
+    for i, (row, p) in enumerate(zip(rows, params)):
+        if p.allowed_token_ids is not None:
+            allowed_rows += [i] * len(p.allowed_token_ids)
+            allowed_ids += p.allowed_token_ids
+        if p.logit_bias:
+            bias_rows += [i] * len(p.logit_bias)
+            bias_ids += list(p.logit_bias)
+            bias_values += list(p.logit_bias.values())
+        if len(row.output_token_ids) < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            blocked_rows += [i] * len(stops)
+            blocked_ids += sorted(stops)
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
     return SamplingMetadata(
-        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-        top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-        all_greedy=all(greedy),
-        needs_top_k=any(k > 0 and not g for k, g in zip(top_k, greedy)),
-        needs_top_p=any(p < 1.0 and not g for p, g in zip(top_p, greedy)),
+        rows=rows,
+        temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+        top_p=floats([p.top_p for p in params]),
+        min_p=floats([p.min_p for p in params]),
         greedy_rows=torch.tensor(greedy, dtype=torch.bool, device=device),
-        generators=[None if g else generators.get(r) for r, g in zip(requests, greedy)],
+        all_greedy=all(greedy),
+        needs_top_k=any(p.top_k > 0 and not g for p, g in zip(params, greedy)),
+        needs_top_p=any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)),
+        needs_min_p=any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)),
+        generators=[
+            None if g else generators.get(r.request_id, r.params.seed) for r, g in zip(rows, greedy)
+        ],
+        allowed=(allowed_rows, allowed_ids) if allowed_rows else None,
+        bias=(bias_rows, bias_ids, bias_values) if bias_rows else None,
+        blocked=(blocked_rows, blocked_ids) if blocked_rows else None,
+        penalty_rows=[i for i, p in enumerate(params) if p.has_penalties],
+        max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from platform_core.sample.sampler import TokenLogprobs
 from platform_core.sampling_params import SamplingParams
 
 
@@ -16,8 +17,10 @@ class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` starting at ``start_position``.
 
     ``sample`` is True when this step reaches the end of the known tokens, so the last position's
-    logits are sampled. ``prompt_token_ids`` and ``output_token_ids`` are the request's own lists
-    (shared, not copied, in process) for penalties and seeded sampling.
+    logits are sampled. ``fork_ids`` names the extra samples of an ``n > 1`` request that fork
+    off on this step's token (sampled from the same logits). ``prompt_token_ids`` and
+    ``output_token_ids`` are the request's own lists (shared, not copied, in process) for
+    penalties and prompt logprobs.
     """
 
     request_id: str
@@ -28,6 +31,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
+    fork_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -41,11 +45,12 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What to run in one step."""
+    """What to run in one step; ``block_copies`` run before the forward pass."""
 
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -58,6 +63,13 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """Sampled tokens of the requests that sampled this step, keyed by request id."""
+    """Results of one step, keyed by request id (fork children included).
 
-    sampled: dict[str, int]
+    ``sampled`` holds the new tokens of each request that sampled; ``logprobs`` their logprobs
+    when asked for; ``prompt_logprobs`` maps a request to ``(first, entries)``: the logprobs of
+    prompt tokens ``first, first + 1, ...`` computed this step.
+    """
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

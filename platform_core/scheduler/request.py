@@ -46,7 +46,9 @@ class Request:
     """A sequence being generated.
 
     ``num_computed_tokens`` counts tokens whose K/V are in the cache; the scheduler moves it
-    forward after each executed step and resets it to 0 on preemption.
+    forward after each executed step and resets it to 0 on preemption. ``pending_fork_ids`` are
+    the ids of the extra samples of an ``n > 1`` request, forked off when its first token is
+    sampled.
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    pending_fork_ids: list[str] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -90,13 +93,17 @@ class Request:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
+    @property
+    def num_seats(self) -> int:
+        """Running slots this request will occupy once its samples fork."""
+        return 1 + len(self.pending_fork_ids)
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the newest token causes, if any (records ``stop_reason``)."""
         last = self.output_token_ids[-1]
         params = self.sampling_params
+        if self.num_output_tokens < params.min_tokens:
+            return None
         if not params.ignore_eos and last in self.eos_token_ids:
             self.stop_reason = None
             return RequestStatus.FINISHED_STOPPED

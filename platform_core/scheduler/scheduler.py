@@ -44,10 +44,15 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_ids: list[str] = []
+        self._block_copies: list[tuple[int, int]] = []
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    @property
+    def num_seats_taken(self) -> int:
+        return sum(r.num_seats for r in self.running)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (its id must be unused)."""
@@ -72,6 +77,14 @@ class Scheduler:
             self._finish(request, status)
             aborted.append(request)
         return aborted
+
+    def finish(self, request_id: str, status: RequestStatus, reason: int | str | None) -> None:
+        """Finish a request for a reason found outside the scheduler (a stop string)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.stop_reason = reason
+        self.abort([request_id], status)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work within ``max_num_batched_tokens`` and ``max_num_seqs``."""
@@ -106,17 +119,24 @@ class Scheduler:
             scheduled=[self._describe(r, n) for r, n in scheduled],
             preempted_ids=[r.request_id for r in preempted],
             finished_ids=self._finished_ids,
+            block_copies=self._block_copies,
         )
         self._finished_ids = []
+        self._block_copies = []
         self.stats.num_steps += 1
         self.stats.num_scheduled_tokens += output.total_num_tokens
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
         return output
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = self.num_seats_taken
+        while self.waiting and budget > 0:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request)
+            if seats + request.num_seats > self.config.max_num_seqs:
+                break
+            # Prompt logprobs need logits at every prompt position: such prompts are computed.
+            wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+            cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             remaining = request.num_tokens - num_cached_tokens
             if not self.config.enable_chunked_prefill and remaining > budget:
@@ -133,19 +153,22 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+            seats += request.num_seats
         return budget
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, start + num_new),
             start_position=start,
             block_ids=self.kv.block_ids(request.request_id),
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             sampling_params=request.sampling_params,
             output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids,
+            fork_ids=list(request.pending_fork_ids) if sample else [],
         )
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -157,17 +180,52 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_computed_blocks(request)
-            token = runner_output.sampled.get(item.request_id)
-            if token is None:
+            tokens = runner_output.sampled.get(item.request_id)
+            if not tokens:
                 continue
-            request.append_output_token(token)
-            status = request.check_stop()
-            if status is not None:
-                self._finish(request, status)
-                finished.append(request)
+            new_samples = [(request, tokens[0])]
+            if item.fork_ids:
+                children = self._fork(request, item.fork_ids)
+                new_samples += [(c, runner_output.sampled[c.request_id][0]) for c in children]
+            for sample, token in new_samples:
+                sample.output_token_ids.append(token)
+                status = sample.check_stop()
+                if status is not None:
+                    self._finish(sample, status)
+                    finished.append(sample)
         if finished:
             self.running = [r for r in self.running if not r.status.finished]
+            self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return finished
+
+    def _fork(self, parent: Request, fork_ids: list[str]) -> list[Request]:
+        """Create the extra samples of ``parent`` sharing its computed prompt blocks."""
+        parent.pending_fork_ids = []
+        children = []
+        for index, child_id in enumerate(fork_ids, start=1):
+            child = Request(
+                request_id=child_id,
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=parent.sampling_params.clone_for_sample(index),
+                eos_token_ids=parent.eos_token_ids,
+                max_tokens=parent.max_tokens,
+                arrival_time=parent.arrival_time,
+                cache_salt=parent.cache_salt,
+                num_computed_tokens=parent.num_computed_tokens,
+                num_cached_tokens=parent.num_cached_tokens,
+                status=RequestStatus.RUNNING,
+            )
+            self.requests[child_id] = child
+            copies = self.kv.fork(parent, child)
+            if copies is None:  # no block for the copy: recompute this sample later
+                child.num_computed_tokens = 0
+                child.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(child)
+            else:
+                self._block_copies += copies
+                self.running.append(child)
+            children.append(child)
+        return children
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -15,11 +15,11 @@ import torch
 
 from platform_core.config import EngineConfig
 from platform_core.plugins.interfaces import Backend, MemoryReport
-from platform_core.sample.metadata import GeneratorStore, build_sampling_metadata
-from platform_core.sample.sampler import Sampler
+from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
+from platform_core.sample.sampler import Sampler, compute_logprobs
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from platform_core.worker.input_builder import InputBuilder
+from platform_core.worker.input_builder import InputBuilder, ModelInput
 
 logger = logging.getLogger("platform_core.worker")
 
@@ -45,6 +45,7 @@ class ModelRunner:
         model_dir: Path,
         hf_config: Any,
         dtype: torch.dtype,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         from platform_core.models.loader import load_model
 
@@ -60,6 +61,7 @@ class ModelRunner:
         engine_generator.manual_seed(config.model.seed)
         self.sampler = Sampler(engine_generator)
         self.generators = GeneratorStore()
+        self.eos_token_ids = eos_token_ids
         self.kv_caches: list[torch.Tensor] = []
 
     @property
@@ -102,23 +104,76 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step and sample the requests whose known tokens are now all computed."""
+        """Run one step: block copies, forward, then sampling and logprobs."""
         self.generators.drop(output.finished_ids)
+        if output.block_copies:
+            self._copy_blocks(output.block_copies)
         model_input = self.input_builder.build(output)
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata
         )
-        if not model_input.sample_requests:
-            return ModelRunnerOutput(sampled={})
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        tokens = self.sample(logits, model_input.sample_requests)
-        return ModelRunnerOutput(
-            sampled={r.request_id: t for r, t in zip(model_input.sample_requests, tokens)}
-        )
+        result = ModelRunnerOutput()
+        self._prompt_logprobs(output, model_input, hidden, result)
+        if model_input.sample_requests:
+            self._sample(model_input, hidden, result)
+        return result
 
-    def sample(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
-        metadata = build_sampling_metadata(requests, self.generators, logits.device)
-        return self.sampler(logits, metadata).tolist()
+    def _sample(self, model_input: ModelInput, hidden: torch.Tensor, result: ModelRunnerOutput):
+        rows: list[SampleRow] = []
+        logits_rows: list[int] = []
+        for j, request in enumerate(model_input.sample_requests):
+            ids = [request.request_id, *request.fork_ids]
+            for index, request_id in enumerate(ids):
+                params = request.sampling_params
+                rows.append(
+                    SampleRow(
+                        request_id,
+                        params.clone_for_sample(index) if index else params,
+                        request.prompt_token_ids,
+                        request.output_token_ids,
+                    )
+                )
+                logits_rows.append(j)
+        logits = self.model.compute_logits(hidden[model_input.logits_indices])
+        if len(rows) != len(model_input.sample_requests):
+            logits = logits[torch.tensor(logits_rows, device=logits.device)]
+        meta = build_sampling_metadata(rows, self.generators, self.eos_token_ids, logits.device)
+        sampled = self.sampler(logits, meta)
+        for row, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
+            result.sampled[row.request_id] = [token]
+            if logprobs is not None:
+                result.logprobs[row.request_id] = [logprobs]
+
+    def _prompt_logprobs(
+        self,
+        output: SchedulerOutput,
+        model_input: ModelInput,
+        hidden: torch.Tensor,
+        result: ModelRunnerOutput,
+    ) -> None:
+        """Logprobs of each computed prompt token given the tokens before it."""
+        starts = model_input.metadata.query_start_loc_cpu
+        for i, request in enumerate(output.scheduled):
+            count = request.sampling_params.prompt_logprobs
+            prompt = request.prompt_token_ids
+            # Row p predicts token p + 1; only rows whose target is still a prompt token count.
+            last_row_position = min(request.seq_len, len(prompt) - 1)
+            if count is None or request.start_position >= last_row_position:
+                continue
+            num_rows = last_row_position - request.start_position
+            rows = hidden[starts[i] : starts[i] + num_rows]
+            targets = prompt[request.start_position + 1 : request.start_position + 1 + num_rows]
+            logits = self.model.compute_logits(rows)
+            target_t = torch.tensor(targets, device=logits.device)
+            entries = compute_logprobs(logits, target_t, [count] * num_rows)
+            result.prompt_logprobs[request.request_id] = (request.start_position + 1, entries)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        device = self.backend.device
+        src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=device)
+        for kv_cache in self.kv_caches:
+            self.backend.attention.copy_blocks(kv_cache, src, dst)
 
     @torch.inference_mode()
     def _dummy_forward(self, max_model_len: int) -> None:
