@@ -1,0 +1,4 @@
+"""Building blocks of the decoder models: norms, rotary embedding, activations, linear layers,
+embeddings, the gated MLP and the paged-attention layer. Each module holds one concept; the
+overridable ops (``rms_norm``, ``rotary``, ``silu_and_mul``) are named in :mod:`.ops`.
+"""

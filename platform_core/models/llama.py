@@ -1,0 +1,274 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) built from a HF config on our layers.
+
+The four architectures differ only in switches of :class:`DecoderSpec`: Qwen2 has q/k/v biases,
+Qwen3 RMS-normalizes each query/key head before rotary. Module names mirror the HF checkpoint
+(``model.layers.N.self_attn...``) except that q/k/v and gate/up are fused; the fused linears name
+their checkpoint parts, so the loader needs no per-architecture table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from platform_core.errors import ModelLoadError
+from platform_core.layers.attention import PagedAttention
+from platform_core.layers.embedding import VocabEmbedding, logits_from_hidden
+from platform_core.layers.linear import Linear
+from platform_core.layers.mlp import GatedMLP
+from platform_core.layers.norm import RMSNorm
+from platform_core.layers.ops import LayerOps, resolve_ops
+from platform_core.layers.rotary import RopeScaling, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from platform_core.attention.metadata import AttentionMetadata
+    from platform_core.plugins.interfaces import AttentionOps
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    """Shapes and switches of one Llama-family decoder, read from a HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    rms_norm_eps: float
+    max_position: int
+    tie_embeddings: bool
+    rope: RopeScaling
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: Any, **switches: bool) -> DecoderSpec:
+        """Read ``cfg`` (a transformers config, 4.x or 5.x field names); ``switches`` override
+        the bias/norm flags the architecture fixes. Unsupported features raise ModelLoadError."""
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"hidden_act={act!r} is not supported; supported: ('silu',)")
+        max_position = int(cfg.max_position_embeddings)
+        _check_sliding_window(cfg, max_position)
+        rope_params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+        partial = (rope_params or {}).get(
+            "partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)
+        )
+        if partial != 1.0:
+            raise ModelLoadError(f"partial_rotary_factor={partial} is not supported")
+        num_heads = int(cfg.num_attention_heads)
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        flags = {
+            "qkv_bias": attention_bias,
+            "o_bias": attention_bias,
+            "mlp_bias": bool(getattr(cfg, "mlp_bias", False)),
+            "qk_norm": False,
+        }
+        flags.update(switches)
+        return cls(
+            vocab_size=int(cfg.vocab_size),
+            hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.intermediate_size),
+            num_layers=int(cfg.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or num_heads),
+            head_size=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads),
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            max_position=max_position,
+            tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            rope=RopeScaling.from_params(rope_params, getattr(cfg, "rope_theta", None)),
+            **flags,
+        )
+
+
+def _check_sliding_window(cfg: Any, max_position: int) -> None:
+    """Reject a sliding window that would mask something; one spanning the whole context is
+    the same as none."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is None or getattr(cfg, "use_sliding_window", True) is False:
+        return
+    if window < max_position:
+        raise ModelLoadError(
+            f"sliding_window={window} (< max_position_embeddings={max_position}) is not "
+            "supported; only full attention is"
+        )
+
+
+class LlamaAttention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k norm, rotary, paged attention, output."""
+
+    def __init__(
+        self, spec: DecoderSpec, attention_ops: AttentionOps, dtype: torch.dtype, ops: LayerOps
+    ) -> None:
+        super().__init__()
+        q_size = spec.num_heads * spec.head_size
+        kv_size = spec.num_kv_heads * spec.head_size
+        self._sizes = (q_size, kv_size, kv_size)
+        self._heads = (spec.num_heads, spec.num_kv_heads, spec.head_size)
+        self.qkv_proj = Linear(
+            spec.hidden_size, self._sizes, spec.qkv_bias, dtype, ("q_proj", "k_proj", "v_proj")
+        )
+        self.o_proj = Linear(q_size, (spec.hidden_size,), spec.o_bias, dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_size, spec.rms_norm_eps, dtype, ops.rms_norm)
+            self.k_norm = RMSNorm(spec.head_size, spec.rms_norm_eps, dtype, ops.rms_norm)
+        self._rotary = ops.rotary
+        self.attn = PagedAttention(
+            attention_ops, spec.num_heads, spec.num_kv_heads, spec.head_size,
+            scale=spec.head_size**-0.5,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        heads, kv_heads, head_size = self._heads
+        q, k, v = self.qkv_proj(hidden).split(self._sizes, dim=-1)
+        q = q.view(num_tokens, heads, head_size)
+        k = k.view(num_tokens, kv_heads, head_size)
+        v = v.view(num_tokens, kv_heads, head_size)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotary(q, k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then gated MLP."""
+
+    def __init__(
+        self, spec: DecoderSpec, attention_ops: AttentionOps, dtype: torch.dtype, ops: LayerOps
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops.rms_norm)
+        self.self_attn = LlamaAttention(spec, attention_ops, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(
+            spec.hidden_size, spec.rms_norm_eps, dtype, ops.rms_norm
+        )
+        self.mlp = GatedMLP(
+            spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, ops.silu_and_mul
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        hidden = hidden + self.self_attn(normed, cos, sin, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
+
+    def __init__(
+        self, spec: DecoderSpec, attention_ops: AttentionOps, dtype: torch.dtype, ops: LayerOps
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype)
+        self.rotary_emb = RotaryEmbedding(spec.head_size, spec.max_position, spec.rope, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, attention_ops, dtype, ops) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops.rms_norm)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama decoder with its output head; satisfies ``registry.CausalLM``.
+
+    Build it under ``torch.device(...)``; parameters are uninitialized until the loader fills
+    them. ``op_overrides`` replaces the default ops by name (see ``platform_core.layers.ops``).
+    """
+
+    spec_switches: ClassVar[dict[str, bool]] = {}
+
+    def __init__(
+        self,
+        hf_config: Any,
+        attention_ops: AttentionOps,
+        dtype: torch.dtype = torch.float32,
+        op_overrides: dict[str, Callable[..., Any]] | None = None,
+    ) -> None:
+        super().__init__()
+        spec = DecoderSpec.from_hf(hf_config, **self.spec_switches)
+        self.spec = spec
+        self.num_layers = spec.num_layers
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_size = spec.head_size
+        self.vocab_size = spec.vocab_size
+        self.max_position = spec.max_position
+        self.model = LlamaModel(spec, attention_ops, dtype, resolve_ops(op_overrides))
+        self.lm_head: Linear | None = None
+        if not spec.tie_embeddings:
+            self.lm_head = Linear(spec.hidden_size, (spec.vocab_size,), False, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of the flattened batch; writes each layer's K/V."""
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32 logits."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return logits_from_hidden(hidden, head.weight)
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Checkpoint tensors that are present in some exports but carry nothing to load."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return True
+        return self.lm_head is None and name == "lm_head.weight"
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: a Llama decoder (sliding windows are rejected by ``DecoderSpec``)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: biases on q/k/v, none on the output projection."""
+
+    spec_switches: ClassVar[dict[str, bool]] = {"qkv_bias": True, "o_bias": False}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMS norm of queries and keys before rotary; head_dim from the config."""
+
+    spec_switches: ClassVar[dict[str, bool]] = {"qk_norm": True}

@@ -1,0 +1,78 @@
+"""Maps a HF config's ``architectures[0]`` to our model class, importing it lazily.
+
+:class:`CausalLM` is the interface every model class satisfies; the worker is written against
+it, never against a concrete architecture.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Protocol
+
+from platform_core.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+    from platform_core.attention.metadata import AttentionMetadata
+
+# architecture name -> (module, class); modules are imported on first use only.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("platform_core.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("platform_core.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("platform_core.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("platform_core.models.llama", "Qwen3ForCausalLM"),
+}
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model over a flattened batch and a paged KV cache.
+
+    Constructed as ``cls(hf_config, attention_ops, dtype, op_overrides)`` (see the loader).
+    ``forward`` writes each layer's K/V into ``kv_caches[layer]`` through the attention ops and
+    returns the final hidden states; ``compute_logits`` projects selected rows to the vocabulary.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    max_position: int
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``[T]`` ids and positions -> ``[T, hidden]`` hidden states."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Whether a checkpoint tensor of this name is skipped rather than reported."""
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """HF architecture names that can be loaded."""
+    return tuple(_MODELS)
+
+
+def get_model_class(hf_config: Any) -> type:
+    """Our class for ``hf_config.architectures[0]``; ModelLoadError lists the supported ones."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ModelLoadError(
+            f"model config names no architecture; supported: {supported_architectures()}"
+        )
+    entry = _MODELS.get(architectures[0])
+    if entry is None:
+        raise ModelLoadError(
+            f"architecture {architectures[0]!r} is not supported; "
+            f"supported: {supported_architectures()}"
+        )
+    module_name, class_name = entry
+    return getattr(importlib.import_module(module_name), class_name)

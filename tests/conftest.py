@@ -1,0 +1,144 @@
+"""Shared fixtures: tiny seeded HF models saved as safetensors, and the reference attention ops.
+
+``tiny_model_dir(name)`` builds (once per session) a small random model with transformers, saves
+it with ``save_pretrained`` and returns the directory, so the real loading code runs. Weights are
+drawn from a seeded generator (norm weights around 1, biases non-zero) so every parameter
+matters. Names are the keys of ``TINY_MODELS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from platform_core.attention.reference import ReferenceAttentionOps
+from platform_core.plugins.interfaces import AttentionOps
+
+_BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+
+# name -> (HF architecture, config overrides on top of _BASE)
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama_tied": ("LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "llama3_rope": (
+        "LlamaForCausalLM",
+        {
+            "num_hidden_layers": 3,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "llama_bias_linear_rope": (
+        "LlamaForCausalLM",
+        {
+            "attention_bias": True,
+            "mlp_bias": True,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        },
+    ),
+    "mistral": ("MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2ForCausalLM", {"num_hidden_layers": 3}),
+    "qwen3": ("Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def tiny_hf_config(name: str) -> Any:
+    """The transformers config of tiny model ``name``."""
+    from transformers import AutoConfig
+
+    architecture, overrides = TINY_MODELS[name]
+    return AutoConfig.for_model(
+        _MODEL_TYPES[architecture], architectures=[architecture], **{**_BASE, **overrides}
+    )
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Deterministic weights of a useful scale: the same for a given seed on any machine."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(0.1 * noise)
+
+
+def build_tiny_model(name: str, seed: int = 0) -> Any:
+    """A fresh float32 HF model for ``name`` with seeded weights (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        tiny_hf_config(name), dtype=torch.float32, attn_implementation="eager"
+    )
+    _randomize(model, seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Factory: ``tiny_model_dir("llama")`` -> directory with config.json + model.safetensors."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{name}")
+            build_tiny_model(name).save_pretrained(path, safe_serialization=True)
+            built[name] = path
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_reference_model(tiny_model_dir: Callable[[str], Path]) -> Callable[[str], Any]:
+    """Factory: the HF model loaded back from ``tiny_model_dir(name)`` (fp32, eager, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    loaded: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in loaded:
+            loaded[name] = AutoModelForCausalLM.from_pretrained(
+                tiny_model_dir(name), dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+        return loaded[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def reference_attention_ops() -> AttentionOps:
+    """Reference paged-attention ops (pure torch, float32 softmax)."""
+    return ReferenceAttentionOps()
