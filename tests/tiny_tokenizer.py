@@ -12,7 +12,7 @@ CORPUS = [
 ] * 20
 
 
-def save_tiny_tokenizer(directory: Path, vocab_size: int = 256) -> None:
+def save_tiny_tokenizer(directory: Path, vocab_size: int = 300) -> None:
     """Train a byte-level BPE of at most ``vocab_size`` tokens and save it HF-style."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

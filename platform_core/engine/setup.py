@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from platform_core.config import EngineConfig
 from platform_core.errors import ConfigError, UnsupportedByBackendError
@@ -21,12 +20,6 @@ from platform_core.scheduler.scheduler import Scheduler
 from platform_core.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("platform_core.engine")
-
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 @dataclass(slots=True)
@@ -44,15 +37,6 @@ class EngineSetup:
     eos_token_ids: frozenset[int]
     vocab_size: int
     default_sampling: dict[str, Any]
-
-
-def resolve_dtype(requested: str, hf_config: Any) -> str:
-    """``"auto"`` becomes the checkpoint's dtype (float32 when it names none)."""
-    if requested != "auto":
-        return requested
-    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    name = str(declared).removeprefix("torch.") if declared is not None else "float32"
-    return name if name in _TORCH_DTYPES else "float32"
 
 
 def apply_backend_adjustments(config: EngineConfig, backend: Backend) -> EngineConfig:
@@ -114,13 +98,13 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
         load_hf_config,
         load_tokenizer,
     )
+    from platform_core.models.loader import dtype_from_config
     from platform_core.models.resolve import resolve_model_path
 
     model_dir = resolve_model_path(config.model.model)
     hf_config = load_hf_config(model_dir, config.model.trust_remote_code)
-    config = config.replace(
-        model=str(model_dir), dtype=resolve_dtype(config.model.dtype, hf_config)
-    )
+    declared = dtype_from_config(hf_config, config.model.dtype)
+    config = config.replace(model=str(model_dir), dtype=str(declared).removeprefix("torch."))
 
     plugins = PluginManager()
     backend = plugins.create(config)
@@ -135,7 +119,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     )
     generation_config = load_generation_config(model_dir)
     eos_token_ids = eos_ids_of(hf_config, generation_config, tokenizer)
-    dtype = _TORCH_DTYPES[config.model.dtype]
+    dtype = dtype_from_config(hf_config, config.model.dtype)
     runner = ModelRunner(config, backend, model_dir, hf_config, dtype, eos_token_ids)
 
     max_model_len = _max_model_len(config, hf_config)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from platform_core.entrypoints.chat_cli import add_chat_parser
 from platform_core.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from platform_core.errors import PlatformCoreError
 
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--sampling-seed", type=int, default=None)
     add_engine_args(generate)
     generate.set_defaults(func=_cmd_generate)
+
+    add_chat_parser(commands)
 
     backends = commands.add_parser(
         "backends", help="list installed backends and why each is usable"

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from platform_core.config import EngineConfig
 from platform_core.engine.llm_engine import LLMEngine
 from platform_core.engine.outputs import RequestOutput
+from platform_core.entrypoints.chat_template import Message, render_chat
 from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
 
@@ -63,6 +64,26 @@ class LLM:
             self.engine.abort_request(request_ids)
             raise
         return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {
+                "prompt_token_ids": render_chat(
+                    self.tokenizer, conversation, add_generation_prompt, chat_template
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _params_for(
         self, count: int, params: SamplingParams | Sequence[SamplingParams] | None

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 
 from platform_core.errors import ConfigError, ModelLoadError
 from platform_core.models.registry import CausalLM, get_model_class
@@ -113,11 +114,16 @@ def _checkpoint_slots(model: nn.Module) -> dict[str, _Slot]:
 
 
 def _read_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, each read once, in file order."""
-    for path in _safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, f.get_tensor(name)
+    """Every tensor of the checkpoint, each read once, in file order (with a progress bar)."""
+    files = _safetensors_files(model_dir)
+    with tqdm(desc="loading weights", unit="tensor", leave=False, disable=None) as progress:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                progress.total = (progress.total or 0) + len(names)
+                for name in names:
+                    yield name, f.get_tensor(name)
+                    progress.update(1)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

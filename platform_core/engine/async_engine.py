@@ -1,0 +1,248 @@
+"""The engine loop on its own thread, driven from asyncio: ``AsyncEngine``.
+
+The event loop side validates nothing and tokenizes everything (with its own copy of the
+tokenizer), then sends typed commands (``Submit``, ``Abort``, ``Shutdown``) through a thread-safe
+queue. The engine thread applies them between steps, steps while any request is unfinished, and
+sleeps on the queue when idle. Each step's outputs go back with one ``call_soon_threadsafe`` per
+event loop, into the asyncio queue of the ``RequestStream`` that submitted them.
+
+Why a thread rather than a process: model steps spend their time in torch kernels, which release
+the GIL, so HTTP work and model steps overlap; the engine stays inspectable in-process (tests check
+its KV pool) and start-up and shutdown stay simple. The commands are plain dataclasses, so moving
+the loop into a process later changes the transport, not the protocol. Detokenization and stop
+strings stay in the engine thread because stop strings decide when a request ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from platform_core.config import EngineConfig
+from platform_core.engine.llm_engine import LLMEngine
+from platform_core.engine.outputs import RequestOutput
+from platform_core.engine.request_stream import GenerateRequest, RequestStream, StreamSink
+from platform_core.errors import PlatformCoreError
+from platform_core.sampling_params import SamplingParams
+
+logger = logging.getLogger("platform_core.engine")
+
+
+class EngineDeadError(PlatformCoreError, RuntimeError):
+    """The engine loop has stopped (it failed, or was shut down); no request can run."""
+
+
+@dataclass(slots=True)
+class Submit:
+    """Add these requests together; all are accepted or none."""
+
+    requests: list[GenerateRequest]
+    sink: StreamSink
+
+
+@dataclass(slots=True)
+class Abort:
+    """Stop these requests now and free their blocks (unknown ids are ignored)."""
+
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Leave the loop; requests still running get ``EngineDeadError``."""
+
+
+Command = Submit | Abort | Shutdown
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` on a dedicated thread; ``generate`` streams its outputs.
+
+    Thread ownership: after construction only the engine thread touches ``engine`` (reading its
+    attributes for inspection is fine); ``tokenizer`` is a separate copy for the event loop side.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.default_sampling = dict(engine.default_sampling)
+        self.error: EngineDeadError | None = None  # set when the loop failed (not on shutdown)
+        self._stopped: EngineDeadError | None = None
+        self._lock = threading.Lock()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        # Owned by the engine thread: whose outputs go where, and what is not yet delivered.
+        self._sinks: dict[str, StreamSink] = {}
+        self._results: list[tuple[StreamSink, object]] = []
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="platform-core-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model described by ``config`` and start the engine thread."""
+        return cls(LLMEngine(config))
+
+    # ------------------------------------------------------------------ event loop side
+    @property
+    def is_running(self) -> bool:
+        return self._stopped is None
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters as of the end of the latest loop iteration (see ``LLMEngine.stats``)."""
+        return dict(self._stats)
+
+    async def submit(self, requests: list[GenerateRequest]) -> RequestStream:
+        """Queue ``requests`` together and return their stream once the engine accepted them.
+
+        Raises the engine's ``InvalidRequestError`` (nothing is left running) or
+        ``EngineDeadError``. Cancelling the wait aborts the requests.
+        """
+        sink = StreamSink(asyncio.get_running_loop())
+        ids = [r.request_id for r in requests]
+        self._send(Submit(requests, sink))
+        try:
+            await sink.accepted
+        except asyncio.CancelledError:
+            self.abort(ids)
+            raise
+        return RequestStream(ids, sink.queue, self.abort)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes; leaving early aborts it."""
+        stream = await self.submit([GenerateRequest(request_id, prompt, params, prompt_token_ids)])
+        async with aclosing(aiter(stream)) as outputs:
+            async for output in outputs:
+                yield output
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (from any thread); a no-op once the engine has stopped."""
+        with self._lock:
+            if self._stopped is None:
+                self._commands.put(Abort(list(request_ids)))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after the current step and wait for the thread to end."""
+        with self._lock:
+            if self._stopped is None:
+                self._commands.put(Shutdown())
+        self._thread.join(timeout)
+
+    def _send(self, command: Command) -> None:
+        with self._lock:
+            if self._stopped is not None:
+                raise EngineDeadError(str(self._stopped))
+            self._commands.put(command)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+            reason = EngineDeadError("the engine has been shut down")
+        except BaseException as exc:  # any failure ends the loop the same way
+            logger.exception("the engine loop failed; failing every request")
+            reason = EngineDeadError(f"the engine loop failed: {exc!r}")
+            self.error = reason
+        with self._lock:
+            self._stopped = reason
+        self._fail_everything(reason)
+
+    def _loop(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            self._results = results = []
+            keep_going = True
+            for command in self._take_commands(block=idle):
+                if isinstance(command, Shutdown):
+                    keep_going = False
+                elif isinstance(command, Abort):
+                    self.engine.abort_request(command.request_ids)
+                    for request_id in command.request_ids:
+                        self._sinks.pop(request_id, None)
+                else:
+                    results.append((command.sink, self._add(command)))
+            if keep_going and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    sink = (
+                        self._sinks.pop(output.request_id)
+                        if output.finished
+                        else (self._sinks.get(output.request_id))
+                    )
+                    if sink is not None:
+                        results.append((sink, output))
+            self._stats = self.engine.stats()
+            self._results = []
+            self._deliver(results)
+            if not keep_going:
+                return
+
+    def _take_commands(self, block: bool) -> list[Command]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _add(self, command: Submit) -> object:
+        """Add a group of requests; on any error remove the ones added and return the error."""
+        added: list[str] = []
+        try:
+            for r in command.requests:
+                self.engine.add_request(
+                    r.request_id, r.prompt, r.params, r.prompt_token_ids, r.arrival_time
+                )
+                added.append(r.request_id)
+        except Exception as exc:  # the caller gets the error; the loop goes on
+            self.engine.abort_request(added)
+            return exc
+        for request_id in added:
+            self._sinks[request_id] = command.sink
+        return StreamSink.ACCEPTED
+
+    def _deliver(self, results: list[tuple[StreamSink, object]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[StreamSink, object]]] = defaultdict(
+            list
+        )
+        for sink, item in results:
+            by_loop[sink.loop].append((sink, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(StreamSink.land, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                gone = [rid for rid, s in self._sinks.items() if s.loop is loop]
+                self.engine.abort_request(gone)
+                for request_id in gone:
+                    del self._sinks[request_id]
+
+    def _fail_everything(self, reason: EngineDeadError) -> None:
+        sinks = {id(s): s for s in self._sinks.values()}
+        sinks.update((id(sink), sink) for sink, _ in self._results)
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, Submit):
+                sinks[id(command.sink)] = command.sink
+        try:
+            self.engine.abort_request(list(self._sinks))
+        except Exception:  # the engine may be broken; callers must still hear
+            logger.exception("aborting requests after the engine loop stopped failed")
+        self._sinks.clear()
+        self._deliver([(sink, EngineDeadError(str(reason))) for sink in sinks.values()])
