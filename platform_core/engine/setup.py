@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from platform_core.config import EngineConfig
 from platform_core.errors import ConfigError, UnsupportedByBackendError
 from platform_core.plugins.interfaces import Backend
