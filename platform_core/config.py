@@ -98,6 +98,41 @@ class ParallelConfig:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
+_SPECULATIVE_METHODS = (None, "ngram", "draft")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose ``num_speculative_tokens`` per step, verify in one pass."""
+
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    ngram_min: int = 1
+    ngram_max: int = 4
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in _SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_method must be one of {_SPECULATIVE_METHODS}, "
+                f"got {self.speculative_method!r}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ConfigError("speculative_method='draft' needs draft_model (a model path)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method is not None
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All sections together, plus the backend choice."""
@@ -106,6 +141,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     backend: str = "auto"
 
     @classmethod
@@ -140,6 +176,7 @@ _SECTIONS = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
 }
 _KEY_TO_SECTION = {f.name: name for name, cls in _SECTIONS.items() for f in fields(cls)}
 

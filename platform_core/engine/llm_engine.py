@@ -19,6 +19,7 @@ from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput
 from platform_core.scheduler.request import Request, RequestStatus
+from platform_core.spec.proposer import build_proposer
 
 logger = logging.getLogger("platform_core.engine")
 
@@ -39,6 +40,7 @@ class LLMEngine:
         self.model_dir = parts.model_dir
         self.hf_config = parts.hf_config
         self.default_sampling = parts.default_sampling
+        self.proposer = build_proposer(self.config.speculative)
         self._requests: dict[str, RequestState] = {}
         # sample id (a request id, or a fork's id) -> (its request, its sample index)
         self._samples: dict[str, tuple[RequestState, int]] = {}
@@ -150,7 +152,21 @@ class LLMEngine:
         else:
             runner_output = self.runner.execute(scheduler_output)
         self.scheduler.update(scheduler_output, runner_output)
-        return self._postprocess(runner_output)
+        outputs = self._postprocess(runner_output)
+        if self.proposer is not None:
+            self._propose_drafts()
+        return outputs
+
+    def _propose_drafts(self) -> None:
+        """Draft tokens for every running request that is decoding (one token uncomputed)."""
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens != 1 or request.pending_fork_ids:
+                continue
+            limit = min(
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1,
+            )
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, limit)
 
     def _postprocess(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
@@ -209,6 +225,12 @@ class LLMEngine:
             "kv_blocks_used": kv.pool.num_used_blocks,
             "kv_blocks_free": kv.pool.num_free_blocks,
             "kv_block_size": kv.block_size,
+            "spec_proposed_tokens": s.spec_proposed_tokens,
+            "spec_accepted_tokens": s.spec_accepted_tokens,
+            "spec_acceptance_rate": s.spec_accepted_tokens / max(1, s.spec_proposed_tokens),
+            # tokens produced per verification step: accepted drafts plus the target's own token
+            "spec_mean_accepted_length": (s.spec_accepted_tokens + s.spec_verifications)
+            / max(1, s.spec_verifications),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

@@ -115,7 +115,9 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # Tokens computed past a stop (accepted drafts after EOS) are never published.
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(computed // self.block_size, len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -123,6 +125,17 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
+
+    def trim(self, request: Request) -> None:
+        """Release blocks beyond those holding the request's computed tokens (rolled-back drafts)."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = self.blocks_needed(request.num_computed_tokens)
+        if len(blocks) > keep:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(extra[::-1])
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so shared prefixes are evicted last."""

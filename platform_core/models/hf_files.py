@@ -44,7 +44,8 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
-        logger.warning("no tokenizer in %s (%s); only token-id prompts will work", path, exc)
+        logger.warning("no tokenizer found in %s; only token-id prompts will work", path)
+        logger.debug("tokenizer load error: %s", exc)
         return None
 
 

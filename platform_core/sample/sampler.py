@@ -34,44 +34,65 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Turns float32 logits ``[rows, vocab]`` into one token id per row."""
+    """Turns float32 logits ``[rows, vocab]`` into one token id per row.
+
+    The steps are public so speculative verification can reuse them: ``process`` (masks, biases,
+    penalties), ``probabilities`` (temperature, min-p, top-k, top-p) and ``draw``.
+    """
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        raw = logits
-        logits = apply_allowed_bias_and_blocks(logits, meta)
-        logits = apply_penalties(logits, meta)
-        tokens = logits.argmax(dim=-1)
+        processed = self.process(logits, meta)
+        tokens = processed.argmax(dim=-1)
         if not meta.all_greedy:
-            sampled = self._sample(logits, meta)
+            sampled = self.draw(self.probabilities(processed, meta), meta.generators)
             tokens = torch.where(meta.greedy_rows, tokens, sampled)
         token_list = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
-        if meta.max_logprobs >= 0:
-            wanted = [i for i, r in enumerate(meta.rows) if r.params.logprobs is not None]
-            counts = [meta.rows[i].params.logprobs for i in wanted]
-            found = compute_logprobs(raw[wanted], tokens[wanted], counts)
-            for i, entry in zip(wanted, found):
-                logprobs[i] = entry
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, self.logprobs(logits, token_list, meta))
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        logits = logits / meta.temperature.unsqueeze(1)
+    def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Logits after allowed-token masks, biases, ``min_tokens`` blocks and penalties."""
+        return apply_penalties(apply_allowed_bias_and_blocks(logits, meta), meta)
+
+    def probabilities(self, processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Each row's sampling distribution (greedy rows get temperature 1; callers ignore them)."""
+        logits = processed / meta.temperature.unsqueeze(1)
         if meta.needs_min_p:
             probs = torch.softmax(logits, dim=-1)
             floor = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < floor, float("-inf"))
         if meta.needs_top_k or meta.needs_top_p:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.needs_top_p)
-        probs = torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+
+    def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row from ``probs``, each seeded row from its own generator."""
         noise = torch.empty_like(probs)
         noise.exponential_(generator=self.generator)
-        for row, generator in enumerate(meta.generators):
+        for row, generator in enumerate(generators):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
+
+    def uniform(self, generator: torch.Generator | None) -> float:
+        """A uniform draw in [0, 1) from ``generator`` (or the engine-wide one)."""
+        return float(torch.rand((), generator=generator or self.generator))
+
+    def logprobs(
+        self, raw_logits: torch.Tensor, tokens: list[int], meta: SamplingMetadata
+    ) -> list[TokenLogprobs | None]:
+        """Raw logprobs of ``tokens`` for the rows that asked for them."""
+        result: list[TokenLogprobs | None] = [None] * len(tokens)
+        if meta.max_logprobs < 0:
+            return result
+        wanted = [i for i, r in enumerate(meta.rows) if r.params.logprobs is not None]
+        counts = [meta.rows[i].params.logprobs for i in wanted]
+        chosen = torch.tensor([tokens[i] for i in wanted], device=raw_logits.device)
+        for i, entry in zip(wanted, compute_logprobs(raw_logits[wanted], chosen, counts)):
+            result[i] = entry
+        return result
 
 
 def apply_top_k_top_p(

@@ -17,7 +17,8 @@ class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` starting at ``start_position``.
 
     ``sample`` is True when this step reaches the end of the known tokens, so the last position's
-    logits are sampled. ``fork_ids`` names the extra samples of an ``n > 1`` request that fork
+    logits are sampled. The last ``num_draft_tokens`` of ``token_ids`` are speculative drafts: the
+    last ``1 + num_draft_tokens`` positions are all scored and verified. ``fork_ids`` names the extra samples of an ``n > 1`` request that fork
     off on this step's token (sampled from the same logits). ``prompt_token_ids`` and
     ``output_token_ids`` are the request's own lists (shared, not copied, in process) for
     penalties and prompt logprobs.
@@ -32,6 +33,11 @@ class ScheduledRequest:
     output_token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     fork_ids: list[str] = field(default_factory=list)
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
 
     @property
     def num_tokens(self) -> int:

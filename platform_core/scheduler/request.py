@@ -48,7 +48,7 @@ class Request:
     ``num_computed_tokens`` counts tokens whose K/V are in the cache; the scheduler moves it
     forward after each executed step and resets it to 0 on preemption. ``pending_fork_ids`` are
     the ids of the extra samples of an ``n > 1`` request, forked off when its first token is
-    sampled.
+    sampled. ``spec_token_ids`` are draft tokens proposed for the next step (speculative decoding).
     """
 
     request_id: str
@@ -64,6 +64,7 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     pending_fork_ids: list[str] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -27,6 +27,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     max_batch_size: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
 
 
 class Scheduler:
@@ -95,7 +98,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            uncomputed = request.num_tokens - request.num_computed_tokens
+            if uncomputed == 1 and budget > 1:
+                request.spec_token_ids = request.spec_token_ids[: budget - 1]
+            else:
+                request.spec_token_ids = []
+            num_new = min(uncomputed + len(request.spec_token_ids), budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -158,10 +166,13 @@ class Scheduler:
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        sample = start + num_new == request.num_tokens
+        drafts = request.spec_token_ids
+        request.spec_token_ids = []
+        known = num_new - len(drafts)
+        sample = start + known == request.num_tokens
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + num_new),
+            token_ids=request.token_ids_slice(start, start + known) + drafts,
             start_position=start,
             block_ids=self.kv.block_ids(request.request_id),
             sample=sample,
@@ -169,6 +180,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids,
             fork_ids=list(request.pending_fork_ids) if sample else [],
+            num_draft_tokens=len(drafts),
         )
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -178,18 +190,23 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_tokens
-            self.kv.cache_computed_blocks(request)
             tokens = runner_output.sampled.get(item.request_id)
+            # KV of rejected drafts is garbage: it is neither counted as computed nor cached.
+            rejected = item.num_draft_tokens - (len(tokens) - 1) if tokens else 0
+            request.num_computed_tokens += item.num_tokens - rejected
+            if item.num_draft_tokens:
+                self._record_verification(request, item.num_draft_tokens, rejected)
             if not tokens:
+                self.kv.cache_computed_blocks(request)
                 continue
-            new_samples = [(request, tokens[0])]
+            new_samples = [(request, tokens)]
             if item.fork_ids:
                 children = self._fork(request, item.fork_ids)
-                new_samples += [(c, runner_output.sampled[c.request_id][0]) for c in children]
-            for sample, token in new_samples:
-                sample.output_token_ids.append(token)
-                status = sample.check_stop()
+                new_samples += [(c, runner_output.sampled[c.request_id]) for c in children]
+            outcomes = [(sample, self._append_tokens(sample, toks)) for sample, toks in new_samples]
+            # Accepted drafts are known tokens only now: publish blocks after appending.
+            self.kv.cache_computed_blocks(request)
+            for sample, status in outcomes:
                 if status is not None:
                     self._finish(sample, status)
                     finished.append(sample)
@@ -197,6 +214,23 @@ class Scheduler:
             self.running = [r for r in self.running if not r.status.finished]
             self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return finished
+
+    @staticmethod
+    def _append_tokens(request: Request, tokens: list[int]) -> RequestStatus | None:
+        """Append sampled tokens one by one; stop at the first that ends the request."""
+        for token in tokens:
+            request.output_token_ids.append(token)
+            status = request.check_stop()
+            if status is not None:
+                return status
+        return None
+
+    def _record_verification(self, request: Request, num_drafts: int, rejected: int) -> None:
+        self.stats.spec_verifications += 1
+        self.stats.spec_proposed_tokens += num_drafts
+        self.stats.spec_accepted_tokens += num_drafts - rejected
+        if rejected:
+            self.kv.trim(request)
 
     def _fork(self, parent: Request, fork_ids: list[str]) -> list[Request]:
         """Create the extra samples of ``parent`` sharing its computed prompt blocks."""
@@ -229,6 +263,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

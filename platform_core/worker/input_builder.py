@@ -19,8 +19,8 @@ from platform_core.scheduler.output import ScheduledRequest, SchedulerOutput
 class ModelInput:
     """Everything one forward pass and its sampling need.
 
-    ``logits_indices[j]`` is the row of the flattened batch whose logits are sampled for
-    ``sample_requests[j]``.
+    ``logits_indices`` lists the rows of the flattened batch whose logits are sampled: one per
+    request in ``sample_requests``, or ``k + 1`` consecutive rows for a request with ``k`` drafts.
     """
 
     input_ids: torch.Tensor
@@ -64,7 +64,15 @@ class InputBuilder:
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
 
         sample_rows = [i for i, r in enumerate(requests) if r.sample]
-        logits_indices = query_start_loc[1:][sample_rows] - 1
+        # A request with k drafts has its last k + 1 positions scored (one per draft, plus one).
+        num_scored = np.fromiter(
+            (requests[i].num_draft_tokens + 1 for i in sample_rows), np.int64, len(sample_rows)
+        )
+        ends = np.repeat(query_start_loc[1:][sample_rows], num_scored)
+        offsets = np.arange(int(num_scored.sum())) - np.repeat(
+            np.cumsum(num_scored) - num_scored, num_scored
+        )
+        logits_indices = ends - np.repeat(num_scored, num_scored) + offsets
 
         to_device = self._to_device
         metadata = AttentionMetadata(

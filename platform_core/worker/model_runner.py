@@ -17,6 +17,7 @@ from platform_core.config import EngineConfig
 from platform_core.plugins.interfaces import Backend, MemoryReport
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.sampler import Sampler, compute_logprobs
+from platform_core.spec.verify import DraftGroup, verify
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from platform_core.worker.input_builder import InputBuilder, ModelInput
@@ -119,30 +120,43 @@ class ModelRunner:
         return result
 
     def _sample(self, model_input: ModelInput, hidden: torch.Tensor, result: ModelRunnerOutput):
+        """Sample every request's next token(s): forks share a row, drafts are verified."""
         rows: list[SampleRow] = []
         logits_rows: list[int] = []
-        for j, request in enumerate(model_input.sample_requests):
+        groups: list[DraftGroup] = []
+        position = 0
+        for request in model_input.sample_requests:
+            drafts = request.draft_token_ids
+            history = request.output_token_ids
             ids = [request.request_id, *request.fork_ids]
             for index, request_id in enumerate(ids):
                 params = request.sampling_params
-                rows.append(
-                    SampleRow(
-                        request_id,
-                        params.clone_for_sample(index) if index else params,
-                        request.prompt_token_ids,
-                        request.output_token_ids,
+                params = params.clone_for_sample(index) if index else params
+                groups.append(DraftGroup(len(rows), drafts))
+                for i in range(len(drafts) + 1):
+                    tokens_before = history if not i else history + drafts[:i]
+                    rows.append(
+                        SampleRow(request_id, params, request.prompt_token_ids, tokens_before)
                     )
-                )
-                logits_rows.append(j)
+                    logits_rows.append(position + i)
+            position += len(drafts) + 1
         logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        if len(rows) != len(model_input.sample_requests):
+        if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(logits_rows, device=logits.device)]
         meta = build_sampling_metadata(rows, self.generators, self.eos_token_ids, logits.device)
-        sampled = self.sampler(logits, meta)
-        for row, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs):
-            result.sampled[row.request_id] = [token]
-            if logprobs is not None:
-                result.logprobs[row.request_id] = [logprobs]
+        if any(group.drafts for group in groups):
+            accepted = verify(self.sampler, logits, meta, groups)
+        else:
+            accepted = [[token] for token in self.sampler(logits, meta).token_ids]
+        row_tokens = [0] * len(rows)
+        for group, tokens in zip(groups, accepted):
+            row_tokens[group.first : group.first + len(tokens)] = tokens
+        logprobs = self.sampler.logprobs(logits, row_tokens, meta)
+        for group, tokens in zip(groups, accepted):
+            request_id = rows[group.first].request_id
+            result.sampled[request_id] = tokens
+            if logprobs[group.first] is not None:
+                result.logprobs[request_id] = logprobs[group.first : group.first + len(tokens)]
 
     def _prompt_logprobs(
         self,
