@@ -127,7 +127,7 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = num_full
 
     def trim(self, request: Request) -> None:
-        """Release blocks beyond those holding the request's computed tokens (rolled-back drafts)."""
+        """Release blocks past the request's computed tokens (after drafts are rolled back)."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return

@@ -17,11 +17,11 @@ class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` starting at ``start_position``.
 
     ``sample`` is True when this step reaches the end of the known tokens, so the last position's
-    logits are sampled. The last ``num_draft_tokens`` of ``token_ids`` are speculative drafts: the
-    last ``1 + num_draft_tokens`` positions are all scored and verified. ``fork_ids`` names the extra samples of an ``n > 1`` request that fork
-    off on this step's token (sampled from the same logits). ``prompt_token_ids`` and
-    ``output_token_ids`` are the request's own lists (shared, not copied, in process) for
-    penalties and prompt logprobs.
+    logits are sampled. The last ``num_draft_tokens`` of ``token_ids`` are speculative drafts:
+    the last ``1 + num_draft_tokens`` positions are all scored and verified. ``fork_ids`` names
+    the extra samples of an ``n > 1`` request that fork off on this step's token (sampled from the
+    same logits). ``prompt_token_ids`` and ``output_token_ids`` are the request's own lists
+    (shared, not copied, in process) for penalties and prompt logprobs.
     """
 
     request_id: str

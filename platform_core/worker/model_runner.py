@@ -17,9 +17,9 @@ from platform_core.config import EngineConfig
 from platform_core.plugins.interfaces import Backend, MemoryReport
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.sampler import Sampler, compute_logprobs
-from platform_core.spec.verify import DraftGroup, verify
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from platform_core.spec.verify import DraftGroup, verify
 from platform_core.worker.input_builder import InputBuilder, ModelInput
 
 logger = logging.getLogger("platform_core.worker")
