@@ -28,10 +28,10 @@ def test_auto_picks_highest_priority_and_name_picks_that_one():
 
 
 def test_unknown_backend_names_the_alternatives():
-    with pytest.raises(
-        BackendError, match=r"unknown backend 'tpu-x'.*available: \['cpu', 'dummy'\]"
-    ):
+    with pytest.raises(BackendError, match=r"unknown backend 'tpu-x'") as info:
         PluginManager().choose("tpu-x")
+    available = str(info.value).split("available:")[1]
+    assert "'cpu'" in available and "'dummy'" in available
 
 
 def test_broken_plugin_is_reported_not_fatal(caplog):

@@ -16,10 +16,10 @@ from platform_core.spec.verify import DraftGroup, verify
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
     proposer = NgramProposer(num_tokens=3, ngram_min=1, ngram_max=3)
-    assert proposer.propose([1, 2, 3, 4, 9, 1, 2, 3], limit=10) == [4, 9, 1]
-    assert proposer.propose([7, 1, 5, 8, 1, 6, 8, 1], limit=10) == [6, 8, 1]  # latest "8 1"
-    assert proposer.propose([1, 2, 3, 4, 9, 1, 2, 3], limit=2) == [4, 9]
-    assert proposer.propose([5, 6, 7], limit=10) == []
+    assert proposer.propose_for([1, 2, 3, 4, 9, 1, 2, 3], limit=10) == [4, 9, 1]
+    assert proposer.propose_for([7, 1, 5, 8, 1, 6, 8, 1], limit=10) == [6, 8, 1]  # latest "8 1"
+    assert proposer.propose_for([1, 2, 3, 4, 9, 1, 2, 3], limit=2) == [4, 9]
+    assert proposer.propose_for([5, 6, 7], limit=10) == []
 
 
 def prompts_with_and_without_repetition() -> list[list[int]]:
@@ -105,3 +105,56 @@ def test_sampling_with_speculation_runs_and_frees_everything(tiny_model_dir):
     assert first == again and len(first) == 30
     llm.engine.scheduler.kv.check_integrity()
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_draft_model_greedy_is_lossless_and_a_perfect_draft_is_always_accepted(tiny_model_dir):
+    prompts = [{"prompt_token_ids": p} for p in prompts_with_and_without_repetition()]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    target = str(tiny_model_dir("llama"))
+    plain = LLM(target, dtype="float32")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    # The target as its own draft: every greedy draft must be accepted, which only holds if
+    # the draft cache (same block ids as the target's) is right after catch-up and rollback.
+    same = LLM(
+        target,
+        dtype="float32",
+        speculative_method="draft",
+        draft_model=target,
+        num_speculative_tokens=3,
+        max_num_batched_tokens=64,
+    )
+    got = [o.outputs[0].token_ids for o in same.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    stats = same.stats()
+    assert stats["spec_proposed_tokens"] > 0
+    assert stats["spec_acceptance_rate"] == 1.0
+    # A different (weaker) draft model: drafts get rejected, outputs still identical.
+    other = LLM(
+        target,
+        dtype="float32",
+        speculative_method="draft",
+        draft_model=str(tiny_model_dir("qwen2")),
+        num_speculative_tokens=3,
+        num_gpu_blocks_override=24,
+    )
+    got = [o.outputs[0].token_ids for o in other.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert other.stats()["spec_acceptance_rate"] < 1.0
+    for llm in (same, other):
+        llm.engine.scheduler.kv.check_integrity()
+        assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_draft_model_sampling_is_reproducible_with_a_seed(tiny_model_dir):
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="float32",
+        speculative_method="draft",
+        draft_model=str(tiny_model_dir("qwen2")),
+        num_speculative_tokens=2,
+    )
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
+    assert llm.stats()["spec_proposed_tokens"] > 0

@@ -19,7 +19,6 @@ from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput
 from platform_core.scheduler.request import Request, RequestStatus
-from platform_core.spec.proposer import build_proposer
 
 logger = logging.getLogger("platform_core.engine")
 
@@ -40,7 +39,7 @@ class LLMEngine:
         self.model_dir = parts.model_dir
         self.hf_config = parts.hf_config
         self.default_sampling = parts.default_sampling
-        self.proposer = build_proposer(self.config.speculative)
+        self.proposer = parts.proposer
         self._requests: dict[str, RequestState] = {}
         # sample id (a request id, or a fork's id) -> (its request, its sample index)
         self._samples: dict[str, tuple[RequestState, int]] = {}
@@ -159,14 +158,16 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         """Draft tokens for every running request that is decoding (one token uncomputed)."""
-        for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens != 1 or request.pending_fork_ids:
-                continue
-            limit = min(
-                request.max_tokens - request.num_output_tokens - 1,
-                self.max_model_len - request.num_tokens - 1,
-            )
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, limit)
+        decoding = [
+            r
+            for r in self.scheduler.running
+            if r.num_tokens - r.num_computed_tokens == 1 and not r.pending_fork_ids
+        ]
+        limits = [
+            min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            for r in decoding
+        ]
+        self.proposer.propose(decoding, limits, self.scheduler.kv)
 
     def _postprocess(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()

@@ -16,6 +16,7 @@ from platform_core.errors import ConfigError, UnsupportedByBackendError
 from platform_core.plugins.interfaces import Backend
 from platform_core.plugins.manager import PluginManager
 from platform_core.scheduler.scheduler import Scheduler
+from platform_core.spec.proposer import Proposer, build_proposer
 from platform_core.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("platform_core.engine")
@@ -36,6 +37,7 @@ class EngineSetup:
     eos_token_ids: frozenset[int]
     vocab_size: int
     default_sampling: dict[str, Any]
+    proposer: Proposer | None
 
 
 def apply_backend_adjustments(config: EngineConfig, backend: Backend) -> EngineConfig:
@@ -124,7 +126,12 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     max_model_len = _max_model_len(config, hf_config)
     block_size = config.cache.block_size
     blocks_per_seq = -(-max_model_len // block_size)
-    plan = runner.plan_kv_cache(config.scheduler.max_num_seqs * blocks_per_seq, max_model_len)
+    proposer = build_proposer(config, backend, dtype, runner.model.vocab_size)
+    plan = runner.plan_kv_cache(
+        config.scheduler.max_num_seqs * blocks_per_seq,
+        max_model_len,
+        extra_bytes_per_block=proposer.bytes_per_block if proposer else 0,
+    )
     if plan.num_blocks < 1:
         raise ConfigError(
             f"no memory is left for the KV cache (budget {plan.budget_bytes} bytes from "
@@ -139,6 +146,8 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
         )
         max_model_len = plan.num_blocks * block_size
     runner.allocate_kv_cache(plan.num_blocks)
+    if proposer is not None and proposer.bytes_per_block:
+        proposer.allocate(plan.num_blocks)
     scheduler = Scheduler(config.scheduler, config.cache, plan.num_blocks)
 
     num_params = sum(p.numel() for p in runner.model.parameters())
@@ -173,6 +182,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
             if config.model.generation_config == "auto"
             else {}
         ),
+        proposer=proposer,
     )
 
 

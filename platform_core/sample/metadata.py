@@ -69,6 +69,10 @@ class GeneratorStore:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
+    def retain(self, request_ids: set[str]) -> None:
+        """Forget generators of requests not in ``request_ids``."""
+        self._generators = {k: v for k, v in self._generators.items() if k in request_ids}
+
 
 def build_sampling_metadata(
     rows: list[SampleRow],

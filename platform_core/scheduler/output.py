@@ -7,6 +7,7 @@ process boundary without the scheduler's objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from platform_core.sample.sampler import TokenLogprobs
 from platform_core.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     fork_ids: list[str] = field(default_factory=list)
     num_draft_tokens: int = 0
+    draft_probs: Any = None
 
     @property
     def draft_token_ids(self) -> list[int]:

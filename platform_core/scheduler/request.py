@@ -48,7 +48,9 @@ class Request:
     ``num_computed_tokens`` counts tokens whose K/V are in the cache; the scheduler moves it
     forward after each executed step and resets it to 0 on preemption. ``pending_fork_ids`` are
     the ids of the extra samples of an ``n > 1`` request, forked off when its first token is
-    sampled. ``spec_token_ids`` are draft tokens proposed for the next step (speculative decoding).
+    sampled. ``spec_token_ids`` are draft tokens proposed for the next step (speculative decoding),
+    ``spec_draft_probs`` the proposer's distributions for them (opaque here; ``None`` when the
+    proposer is deterministic).
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     pending_fork_ids: list[str] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: Any = None
     stop_reason: int | str | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

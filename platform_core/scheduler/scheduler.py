@@ -166,8 +166,8 @@ class Scheduler:
 
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        drafts = request.spec_token_ids
-        request.spec_token_ids = []
+        drafts, draft_probs = request.spec_token_ids, request.spec_draft_probs
+        request.spec_token_ids, request.spec_draft_probs = [], None
         known = num_new - len(drafts)
         sample = start + known == request.num_tokens
         return ScheduledRequest(
@@ -181,6 +181,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             fork_ids=list(request.pending_fork_ids) if sample else [],
             num_draft_tokens=len(drafts),
+            draft_probs=None if draft_probs is None else draft_probs[: len(drafts)],
         )
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -263,7 +264,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_draft_probs = [], None
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -7,7 +7,13 @@ are proposed. No model runs, so a miss costs almost nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from platform_core.kv_cache.manager import KVCacheManager
+    from platform_core.scheduler.request import Request
 
 
 class NgramProposer:
@@ -18,7 +24,14 @@ class NgramProposer:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
+    bytes_per_block = 0
+
+    def propose(self, requests: list[Request], limits: list[int], kv: KVCacheManager) -> None:
+        """Set each request's ``spec_token_ids`` (no model runs, no blocks are claimed)."""
+        for request, limit in zip(requests, limits):
+            request.spec_token_ids = self.propose_for(request.all_token_ids, limit)
+
+    def propose_for(self, token_ids: list[int], limit: int) -> list[int]:
         """At most ``min(limit, num_tokens)`` draft tokens continuing ``token_ids``."""
         count = min(limit, self.num_tokens)
         if count <= 0 or len(token_ids) < self.ngram_min + 1:

@@ -21,6 +21,7 @@ from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from platform_core.spec.verify import DraftGroup, verify
 from platform_core.worker.input_builder import InputBuilder, ModelInput
+from platform_core.worker.kv_tensors import allocate_kv_caches, kv_bytes_per_block
 
 logger = logging.getLogger("platform_core.worker")
 
@@ -71,16 +72,21 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        m = self.model
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.block_size * m.num_kv_heads * m.head_size * element * m.num_layers
+        return kv_bytes_per_block(self.model, self.block_size, self.dtype)
 
-    def plan_kv_cache(self, max_useful_blocks: int, max_model_len: int) -> KVCachePlan:
-        """Size the KV cache: user override, else measured memory; never more than useful."""
+    def plan_kv_cache(
+        self, max_useful_blocks: int, max_model_len: int, extra_bytes_per_block: int = 0
+    ) -> KVCachePlan:
+        """Size the KV cache: user override, else measured memory; never more than useful.
+
+        ``extra_bytes_per_block`` is what other caches indexed by the same block ids (a draft
+        model's) need per block.
+        """
         cache = self.config.cache
+        per_block = self.bytes_per_block + extra_bytes_per_block
         report = None
         if cache.num_gpu_blocks_override is not None:
-            budget, source = cache.num_gpu_blocks_override * self.bytes_per_block, "block override"
+            budget, source = cache.num_gpu_blocks_override * per_block, "block override"
         elif cache.kv_cache_memory_bytes is not None:
             budget, source = cache.kv_cache_memory_bytes, "kv_cache_memory_bytes"
         else:
@@ -89,19 +95,19 @@ class ModelRunner:
             )
             budget = self.backend.memory.kv_cache_budget(report, cache.memory_utilization)
             source = "profiled"
-        num_blocks = min(budget // self.bytes_per_block, max_useful_blocks)
-        return KVCachePlan(num_blocks, self.bytes_per_block, budget, source, report)
+        num_blocks = min(budget // per_block, max_useful_blocks)
+        return KVCachePlan(num_blocks, per_block, budget, source, report)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate one zeroed cache tensor per layer in the backend's layout."""
-        m = self.model
-        shape = self.backend.attention.kv_cache_shape(
-            num_blocks, self.block_size, m.num_kv_heads, m.head_size
+        self.kv_caches = allocate_kv_caches(
+            self.backend.attention,
+            self.model,
+            num_blocks,
+            self.block_size,
+            self.dtype,
+            self.backend.device,
         )
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.backend.device)
-            for _ in range(m.num_layers)
-        ]
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -132,7 +138,7 @@ class ModelRunner:
             for index, request_id in enumerate(ids):
                 params = request.sampling_params
                 params = params.clone_for_sample(index) if index else params
-                groups.append(DraftGroup(len(rows), drafts))
+                groups.append(DraftGroup(len(rows), drafts, request.draft_probs))
                 for i in range(len(drafts) + 1):
                     tokens_before = history if not i else history + drafts[:i]
                     rows.append(
