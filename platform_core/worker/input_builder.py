@@ -1,7 +1,8 @@
-"""The one place that turns a ``SchedulerOutput`` into device tensors.
+"""The one place that turns a ``SchedulerOutput`` into model inputs.
 
-Host-side arrays are filled with numpy (no per-token Python loops) and moved to the device once.
-Backends receive the result; they never rebuild it.
+``build_host`` fills numpy arrays (no per-token Python loops); ``to_device`` moves them to the
+backend's device once. The host batch is plain data, cheap to send to other ranks. Backends
+receive the device tensors; they never rebuild them.
 """
 
 from __future__ import annotations
@@ -12,32 +13,50 @@ import numpy as np
 import torch
 
 from platform_core.attention.metadata import AttentionMetadata
-from platform_core.scheduler.output import ScheduledRequest, SchedulerOutput
+from platform_core.scheduler.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class HostBatch:
+    """One flattened batch as numpy arrays (see ``AttentionMetadata`` for the fields).
+
+    ``sample_rows`` are the indices (into the scheduled list) of requests that sample this step;
+    ``logits_indices`` the flattened rows whose logits they need: one per request, or ``k + 1``
+    consecutive rows for a request with ``k`` drafts.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    slot_mapping: np.ndarray
+    sample_rows: list[int]
+    logits_indices: np.ndarray
+    block_size: int
 
 
 @dataclass(slots=True)
 class ModelInput:
-    """Everything one forward pass and its sampling need.
-
-    ``logits_indices`` lists the rows of the flattened batch whose logits are sampled: one per
-    request in ``sample_requests``, or ``k + 1`` consecutive rows for a request with ``k`` drafts.
-    """
+    """Device tensors for one forward pass."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    sample_requests: list[ScheduledRequest]
 
 
 class InputBuilder:
-    """Builds ``ModelInput`` for a fixed block size and device."""
+    """Builds batches for a fixed block size and device."""
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
 
     def build(self, output: SchedulerOutput) -> ModelInput:
+        return self.to_device(self.build_host(output))
+
+    def build_host(self, output: SchedulerOutput) -> HostBatch:
         """Flatten the scheduled requests in order into one batch."""
         requests = output.scheduled
         num_seqs = len(requests)
@@ -64,34 +83,46 @@ class InputBuilder:
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
 
         sample_rows = [i for i, r in enumerate(requests) if r.sample]
-        # A request with k drafts has its last k + 1 positions scored (one per draft, plus one).
         num_scored = np.fromiter(
             (requests[i].num_draft_tokens + 1 for i in sample_rows), np.int64, len(sample_rows)
         )
-        ends = np.repeat(query_start_loc[1:][sample_rows], num_scored)
+        # Row j of a request's scored block is (end - num_scored + j).
+        first = np.repeat(query_start_loc[1:][sample_rows] - num_scored, num_scored)
         offsets = np.arange(int(num_scored.sum())) - np.repeat(
             np.cumsum(num_scored) - num_scored, num_scored
         )
-        logits_indices = ends - np.repeat(num_scored, num_scored) + offsets
-
-        to_device = self._to_device
-        metadata = AttentionMetadata(
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_tables=to_device(block_tables, torch.int32),
-            slot_mapping=to_device(slot_mapping, torch.int64),
-            max_query_len=int(q_lens.max(initial=0)),
-            max_seq_len=int(seq_lens.max(initial=0)),
+        return HostBatch(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            sample_rows=sample_rows,
+            logits_indices=first + offsets,
             block_size=self.block_size,
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+        )
+
+    def to_device(self, host: HostBatch) -> ModelInput:
+        """Move a host batch to the device as model input."""
+        to_device = self._to_device
+        q_lens = np.diff(host.query_start_loc)
+        metadata = AttentionMetadata(
+            query_start_loc=to_device(host.query_start_loc, torch.int32),
+            seq_lens=to_device(host.seq_lens, torch.int32),
+            block_tables=to_device(host.block_tables, torch.int32),
+            slot_mapping=to_device(host.slot_mapping, torch.int64),
+            max_query_len=int(q_lens.max(initial=0)),
+            max_seq_len=int(host.seq_lens.max(initial=0)),
+            block_size=host.block_size,
+            query_start_loc_cpu=host.query_start_loc.tolist(),
+            seq_lens_cpu=host.seq_lens.tolist(),
         )
         return ModelInput(
-            input_ids=to_device(input_ids, torch.int64),
-            positions=to_device(positions, torch.int64),
+            input_ids=to_device(host.input_ids, torch.int64),
+            positions=to_device(host.positions, torch.int64),
             metadata=metadata,
-            logits_indices=to_device(logits_indices, torch.int64),
-            sample_requests=[requests[i] for i in sample_rows],
+            logits_indices=to_device(host.logits_indices, torch.int64),
         )
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Runs the model for one step: build inputs, forward, compute logits, sample.
+"""Runs the model for one step: plan, forward (every rank), sample (the driver).
 
 The runner owns the model, the KV-cache tensors and the sampler; the scheduler owns which tokens
 run. Everything device-specific comes from the backend.
@@ -15,13 +15,12 @@ import torch
 
 from platform_core.config import EngineConfig
 from platform_core.plugins.interfaces import Backend, MemoryReport
-from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
-from platform_core.sample.sampler import Sampler, compute_logprobs
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from platform_core.spec.verify import DraftGroup, verify
-from platform_core.worker.input_builder import InputBuilder, ModelInput
+from platform_core.worker.input_builder import InputBuilder
 from platform_core.worker.kv_tensors import allocate_kv_caches, kv_bytes_per_block
+from platform_core.worker.sampling_step import StepSampler
+from platform_core.worker.step_plan import StepPlan, make_step_plan
 
 logger = logging.getLogger("platform_core.worker")
 
@@ -59,11 +58,7 @@ class ModelRunner:
         )
         self.block_size = config.cache.block_size
         self.input_builder = InputBuilder(self.block_size, backend.device)
-        engine_generator = torch.Generator()
-        engine_generator.manual_seed(config.model.seed)
-        self.sampler = Sampler(engine_generator)
-        self.generators = GeneratorStore()
-        self.eos_token_ids = eos_token_ids
+        self.step_sampler = StepSampler(config.model.seed, eos_token_ids)
         self.kv_caches: list[torch.Tensor] = []
 
     @property
@@ -109,84 +104,30 @@ class ModelRunner:
             self.backend.device,
         )
 
+    def plan(self, output: SchedulerOutput) -> StepPlan:
+        """The step every rank runs (made on the driver)."""
+        return make_step_plan(output, self.input_builder)
+
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: block copies, forward, then sampling and logprobs."""
-        self.generators.drop(output.finished_ids)
-        if output.block_copies:
-            self._copy_blocks(output.block_copies)
-        model_input = self.input_builder.build(output)
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Block copies, the forward pass and the planned rows' float32 logits.
+
+        Collective under tensor parallelism: every rank calls it with the same plan.
+        """
+        if plan.block_copies:
+            self._copy_blocks(plan.block_copies)
+        model_input = self.input_builder.to_device(plan.batch)
         hidden = self.model(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata
         )
-        result = ModelRunnerOutput()
-        self._prompt_logprobs(output, model_input, hidden, result)
-        if model_input.sample_requests:
-            self._sample(model_input, hidden, result)
-        return result
+        rows = torch.from_numpy(plan.logits_rows).to(hidden.device)
+        return self.model.compute_logits(hidden[rows])
 
-    def _sample(self, model_input: ModelInput, hidden: torch.Tensor, result: ModelRunnerOutput):
-        """Sample every request's next token(s): forks share a row, drafts are verified."""
-        rows: list[SampleRow] = []
-        logits_rows: list[int] = []
-        groups: list[DraftGroup] = []
-        position = 0
-        for request in model_input.sample_requests:
-            drafts = request.draft_token_ids
-            history = request.output_token_ids
-            ids = [request.request_id, *request.fork_ids]
-            for index, request_id in enumerate(ids):
-                params = request.sampling_params
-                params = params.clone_for_sample(index) if index else params
-                groups.append(DraftGroup(len(rows), drafts, request.draft_probs))
-                for i in range(len(drafts) + 1):
-                    tokens_before = history if not i else history + drafts[:i]
-                    rows.append(
-                        SampleRow(request_id, params, request.prompt_token_ids, tokens_before)
-                    )
-                    logits_rows.append(position + i)
-            position += len(drafts) + 1
-        logits = self.model.compute_logits(hidden[model_input.logits_indices])
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(logits_rows, device=logits.device)]
-        meta = build_sampling_metadata(rows, self.generators, self.eos_token_ids, logits.device)
-        if any(group.drafts for group in groups):
-            accepted = verify(self.sampler, logits, meta, groups)
-        else:
-            accepted = [[token] for token in self.sampler(logits, meta).token_ids]
-        row_tokens = [0] * len(rows)
-        for group, tokens in zip(groups, accepted):
-            row_tokens[group.first : group.first + len(tokens)] = tokens
-        logprobs = self.sampler.logprobs(logits, row_tokens, meta)
-        for group, tokens in zip(groups, accepted):
-            request_id = rows[group.first].request_id
-            result.sampled[request_id] = tokens
-            if logprobs[group.first] is not None:
-                result.logprobs[request_id] = logprobs[group.first : group.first + len(tokens)]
-
-    def _prompt_logprobs(
-        self,
-        output: SchedulerOutput,
-        model_input: ModelInput,
-        hidden: torch.Tensor,
-        result: ModelRunnerOutput,
-    ) -> None:
-        """Logprobs of each computed prompt token given the tokens before it."""
-        starts = model_input.metadata.query_start_loc_cpu
-        for i, request in enumerate(output.scheduled):
-            count = request.sampling_params.prompt_logprobs
-            prompt = request.prompt_token_ids
-            # Row p predicts token p + 1; only rows whose target is still a prompt token count.
-            last_row_position = min(request.seq_len, len(prompt) - 1)
-            if count is None or request.start_position >= last_row_position:
-                continue
-            num_rows = last_row_position - request.start_position
-            rows = hidden[starts[i] : starts[i] + num_rows]
-            targets = prompt[request.start_position + 1 : request.start_position + 1 + num_rows]
-            logits = self.model.compute_logits(rows)
-            target_t = torch.tensor(targets, device=logits.device)
-            entries = compute_logprobs(logits, target_t, [count] * num_rows)
-            result.prompt_logprobs[request.request_id] = (request.start_position + 1, entries)
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Plan, forward and sample one step in this process."""
+        plan = self.plan(output)
+        return self.step_sampler(output, plan, self.forward(plan))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         device = self.backend.device

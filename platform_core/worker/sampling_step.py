@@ -1,0 +1,78 @@
+"""The driver's half of a step: turn the step's logits into tokens, logprobs and verdicts."""
+
+from __future__ import annotations
+
+import torch
+
+from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
+from platform_core.sample.sampler import Sampler, compute_logprobs
+from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from platform_core.spec.verify import DraftGroup, verify
+from platform_core.worker.step_plan import StepPlan
+
+
+class StepSampler:
+    """Samples (and verifies drafts) for the requests of a step; owns per-request generators."""
+
+    def __init__(self, seed: int, eos_token_ids: frozenset[int]) -> None:
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        self.sampler = Sampler(generator)
+        self.generators = GeneratorStore()
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(
+        self, output: SchedulerOutput, plan: StepPlan, logits: torch.Tensor
+    ) -> ModelRunnerOutput:
+        """``logits`` holds one row per ``plan.logits_rows`` entry."""
+        self.generators.drop(output.finished_ids)
+        result = ModelRunnerOutput()
+        requests = [output.scheduled[i] for i in plan.batch.sample_rows]
+        if requests:
+            self._sample(requests, logits[: plan.num_sample_rows], result)
+        for rows in plan.prompt_rows:
+            request = output.scheduled[rows.request_index]
+            targets = request.prompt_token_ids[rows.first_target : rows.first_target + rows.count]
+            block = logits[rows.offset : rows.offset + rows.count]
+            chosen = torch.tensor(targets, device=block.device)
+            counts = [request.sampling_params.prompt_logprobs] * rows.count
+            entries = compute_logprobs(block, chosen, counts)
+            result.prompt_logprobs[request.request_id] = (rows.first_target, entries)
+        return result
+
+    def _sample(
+        self, requests: list[ScheduledRequest], logits: torch.Tensor, result: ModelRunnerOutput
+    ) -> None:
+        """Sample every request's next token(s): forks share a row, drafts are verified."""
+        rows: list[SampleRow] = []
+        logits_rows: list[int] = []
+        groups: list[DraftGroup] = []
+        position = 0
+        for request in requests:
+            drafts = request.draft_token_ids
+            history = request.output_token_ids
+            for index, request_id in enumerate([request.request_id, *request.fork_ids]):
+                params = request.sampling_params
+                params = params.clone_for_sample(index) if index else params
+                groups.append(DraftGroup(len(rows), drafts, request.draft_probs))
+                for i in range(len(drafts) + 1):
+                    before = history if not i else history + drafts[:i]
+                    rows.append(SampleRow(request_id, params, request.prompt_token_ids, before))
+                    logits_rows.append(position + i)
+            position += len(drafts) + 1
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(logits_rows, device=logits.device)]
+        meta = build_sampling_metadata(rows, self.generators, self.eos_token_ids, logits.device)
+        if any(group.drafts for group in groups):
+            accepted = verify(self.sampler, logits, meta, groups)
+        else:
+            accepted = [[token] for token in self.sampler(logits, meta).token_ids]
+        row_tokens = [0] * len(rows)
+        for group, tokens in zip(groups, accepted):
+            row_tokens[group.first : group.first + len(tokens)] = tokens
+        logprobs = self.sampler.logprobs(logits, row_tokens, meta)
+        for group, tokens in zip(groups, accepted):
+            request_id = rows[group.first].request_id
+            result.sampled[request_id] = tokens
+            if logprobs[group.first] is not None:
+                result.logprobs[request_id] = logprobs[group.first : group.first + len(tokens)]
