@@ -87,15 +87,42 @@ class SchedulerConfig:
             )
 
 
+_EXECUTORS = ("auto", "uni", "mp", "ray")
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    """Distributed layout (single process until the distributed issue lands)."""
+    """Distributed layout: tensor-parallel ranks, how they run, and engine replicas.
+
+    ``distributed_executor_backend``: ``"uni"`` (one process), ``"mp"`` (spawned workers on this
+    machine), ``"ray"`` (Ray actors in a placement group), ``"auto"`` (``uni`` for one rank, else
+    ``mp``). ``ray_address`` joins an existing cluster (``None`` starts a local one).
+    """
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "auto"
+    ray_address: str | None = None
+    worker_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in _EXECUTORS:
+            raise ConfigError(
+                f"distributed_executor_backend must be one of {_EXECUTORS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        if self.worker_timeout_s <= 0:
+            raise ConfigError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+
+    @property
+    def executor(self) -> str:
+        """The executor kind after resolving ``"auto"``."""
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        return "uni" if self.tensor_parallel_size == 1 else "mp"
 
 
 _SPECULATIVE_METHODS = (None, "ngram", "draft")

@@ -28,10 +28,10 @@ class SamplingParams:
     presence penalties, then ``temperature``, ``min_p``, ``top_k``, ``top_p`` and sampling.
     ``temperature == 0`` (or ``top_k == 1``) is greedy: the argmax after penalties and biases.
 
-    ``logprobs`` returns, per generated token, the ``logprobs`` most likely tokens plus the sampled
-    one; ``prompt_logprobs`` does the same for prompt positions. As in the OpenAI API and vLLM, these
-    are the model's raw log-probabilities (log-softmax of the logits before temperature, penalties
-    or filtering), so they do not depend on the sampling settings.
+    ``logprobs`` returns, per generated token, the ``logprobs`` most likely tokens plus the
+    sampled one; ``prompt_logprobs`` does the same for prompt positions. As in the OpenAI API and
+    vLLM, these are the model's raw log-probabilities (log-softmax of the logits before
+    temperature, penalties or filtering), so they do not depend on the sampling settings.
 
     Generation stops at ``max_tokens``, at EOS (unless ``ignore_eos``), at any ``stop_token_ids``,
     or when the text ends in one of ``stop`` (cut off unless ``include_stop_str_in_output``).

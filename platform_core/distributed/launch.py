@@ -53,8 +53,13 @@ class LoopbackGroupConfig:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
-def init_loopback_process_group(config: LoopbackGroupConfig, rank: int) -> None:
-    """Join the default gloo process group described by ``config`` as ``rank``.
+def init_loopback_process_group(
+    config: LoopbackGroupConfig, rank: int, backend: str = "gloo"
+) -> None:
+    """Join the default process group described by ``config`` as ``rank``.
+
+    ``backend`` is the torch.distributed backend (``"gloo"`` for CPU tensors; a GPU backend
+    passes its own, e.g. ``"nccl"``).
 
     Blocks until all ``world_size`` ranks have joined (or ``timeout_s`` passes). Sets
     ``GLOO_SOCKET_IFNAME`` to the loopback interface for this process, overriding any other
@@ -80,7 +85,7 @@ def init_loopback_process_group(config: LoopbackGroupConfig, rank: int) -> None:
         master_listen_fd=listen_fd,
     )
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=config.world_size, timeout=timeout
+        backend, store=store, rank=rank, world_size=config.world_size, timeout=timeout
     )
 
 

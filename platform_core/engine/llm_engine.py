@@ -16,6 +16,7 @@ from platform_core.engine.outputs import RequestMetrics, RequestOutput
 from platform_core.engine.sequence_state import RequestState, SampleState
 from platform_core.engine.setup import build_engine_parts
 from platform_core.errors import InvalidRequestError
+from platform_core.executor.base import WorkerDiedError
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput
 from platform_core.scheduler.request import Request, RequestStatus
@@ -30,6 +31,7 @@ class LLMEngine:
         parts = build_engine_parts(config)
         self.config = parts.config
         self.backend = parts.backend
+        self.executor = parts.executor
         self.runner = parts.runner
         self.scheduler = parts.scheduler
         self.tokenizer = parts.tokenizer
@@ -149,7 +151,11 @@ class LLMEngine:
         if scheduler_output.is_empty:
             runner_output = ModelRunnerOutput()
         else:
-            runner_output = self.runner.execute(scheduler_output)
+            try:
+                runner_output = self.executor.execute(scheduler_output)
+            except WorkerDiedError:
+                self._fail_all("a model worker died")
+                raise
         self.scheduler.update(scheduler_output, runner_output)
         outputs = self._postprocess(runner_output)
         if self.proposer is not None:
@@ -204,6 +210,18 @@ class LLMEngine:
         state.samples.append(sample)
         state.samples.sort(key=lambda s: s.index)
         return sample
+
+    def _fail_all(self, reason: str) -> None:
+        """Finish every request with an error (the engine cannot continue)."""
+        for state in list(self._requests.values()):
+            sample_ids = [sid for sid, (s, _) in self._samples.items() if s is state]
+            self.scheduler.abort(sample_ids, RequestStatus.FINISHED_ERROR)
+            self._forget(state)
+        logger.error("all requests failed: %s", reason)
+
+    def shutdown(self) -> None:
+        """Stop worker processes (if any); the engine is unusable afterwards."""
+        self.executor.shutdown()
 
     def _forget(self, state: RequestState) -> None:
         del self._requests[state.request_id]

@@ -13,11 +13,13 @@ from typing import Any
 
 from platform_core.config import EngineConfig
 from platform_core.errors import ConfigError, UnsupportedByBackendError
+from platform_core.executor.base import Executor, ModelSpec
+from platform_core.executor.factory import make_executor
 from platform_core.plugins.interfaces import Backend
 from platform_core.plugins.manager import PluginManager
 from platform_core.scheduler.scheduler import Scheduler
 from platform_core.spec.proposer import Proposer, build_proposer
-from platform_core.worker.model_runner import ModelRunner
+from platform_core.worker.model_runner import KVCachePlan, ModelRunner
 
 logger = logging.getLogger("platform_core.engine")
 
@@ -28,6 +30,7 @@ class EngineSetup:
 
     config: EngineConfig
     backend: Backend
+    executor: Executor
     runner: ModelRunner
     scheduler: Scheduler
     tokenizer: Any
@@ -109,7 +112,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
 
     plugins = PluginManager()
     backend = plugins.create(config)
-    config = apply_backend_adjustments(config, backend)
+    config = apply_backend_adjustments(config.replace(backend=backend.name), backend)
     head_size = head_size_of(hf_config)
     check_capabilities(config, backend, head_size)
 
@@ -121,13 +124,47 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     generation_config = load_generation_config(model_dir)
     eos_token_ids = eos_ids_of(hf_config, generation_config, tokenizer)
     dtype = dtype_from_config(hf_config, config.model.dtype)
-    runner = ModelRunner(config, backend, model_dir, hf_config, dtype, eos_token_ids)
+    executor = make_executor(
+        ModelSpec(config, model_dir, hf_config, dtype, eos_token_ids), backend
+    )
+    try:
+        max_model_len = _max_model_len(config, hf_config)
+        proposer = build_proposer(config, backend, dtype, executor.driver.model.vocab_size)
+        num_blocks, max_model_len = _size_kv_cache(config, executor, proposer, max_model_len)
+        executor.allocate_kv_cache(num_blocks)
+        if proposer is not None and proposer.bytes_per_block:
+            proposer.allocate(num_blocks)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return EngineSetup(
+        config=config,
+        backend=backend,
+        executor=executor,
+        runner=executor.driver,
+        scheduler=Scheduler(config.scheduler, config.cache, num_blocks),
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        hf_config=hf_config,
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids,
+        vocab_size=executor.driver.model.vocab_size,
+        default_sampling=(
+            generation_defaults(generation_config)
+            if config.model.generation_config == "auto"
+            else {}
+        ),
+        proposer=proposer,
+    )
 
-    max_model_len = _max_model_len(config, hf_config)
+
+def _size_kv_cache(
+    config: EngineConfig, executor: Executor, proposer: Proposer | None, max_model_len: int
+) -> tuple[int, int]:
+    """Blocks for the KV cache, and ``max_model_len`` lowered if the pool cannot hold it."""
     block_size = config.cache.block_size
     blocks_per_seq = -(-max_model_len // block_size)
-    proposer = build_proposer(config, backend, dtype, runner.model.vocab_size)
-    plan = runner.plan_kv_cache(
+    plan = executor.plan_kv_cache(
         config.scheduler.max_num_seqs * blocks_per_seq,
         max_model_len,
         extra_bytes_per_block=proposer.bytes_per_block if proposer else 0,
@@ -145,44 +182,37 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
             max_model_len,
         )
         max_model_len = plan.num_blocks * block_size
-    runner.allocate_kv_cache(plan.num_blocks)
-    if proposer is not None and proposer.bytes_per_block:
-        proposer.allocate(plan.num_blocks)
-    scheduler = Scheduler(config.scheduler, config.cache, plan.num_blocks)
+    _log_loaded(config, executor, plan, max_model_len)
+    return plan.num_blocks, max_model_len
 
-    num_params = sum(p.numel() for p in runner.model.parameters())
+
+def _log_loaded(
+    config: EngineConfig, executor: Executor, plan: KVCachePlan, max_model_len: int
+) -> None:
+    runner = executor.driver
+    memory = plan.memory
+    free = (
+        ""
+        if memory is None
+        else f"; {memory.available_bytes / 2**30:.1f} of {memory.total_bytes / 2**30:.1f} GiB "
+        f"free, activation peak {memory.peak_bytes / 2**20:.0f} MiB"
+    )
     logger.info(
-        "loaded %s (%s, %.1fM params, %s) on backend %s; KV cache %d blocks x %d tokens "
-        "(%.1f MiB, %s); max_model_len %d",
-        model_dir,
-        getattr(hf_config, "architectures", ["?"])[0],
-        num_params / 1e6,
+        "loaded %s (%s, %.1fM params, %s, %.0f MiB of weights, TP=%d) on backend %s; KV cache "
+        "%d blocks x %d tokens = %.1f MiB (%s%s); max_model_len %d",
+        config.model.model,
+        type(runner.model).__name__,
+        sum(p.numel() for p in runner.model.parameters()) / 1e6,
         config.model.dtype,
-        backend.name,
+        runner.weights_bytes / 2**20,
+        config.parallel.tensor_parallel_size,
+        config.backend,
         plan.num_blocks,
-        block_size,
+        config.cache.block_size,
         plan.num_blocks * plan.bytes_per_block / 2**20,
         plan.source,
+        free,
         max_model_len,
-    )
-    vocab_size = runner.model.vocab_size
-    return EngineSetup(
-        config=config,
-        backend=backend,
-        runner=runner,
-        scheduler=scheduler,
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        hf_config=hf_config,
-        max_model_len=max_model_len,
-        eos_token_ids=eos_token_ids,
-        vocab_size=vocab_size,
-        default_sampling=(
-            generation_defaults(generation_config)
-            if config.model.generation_config == "auto"
-            else {}
-        ),
-        proposer=proposer,
     )
 
 

@@ -138,3 +138,13 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         """Engine counters (preemptions, prefix-cache tokens, KV blocks, ...)."""
         return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Release worker processes; needed only with tensor parallelism."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -154,6 +154,7 @@ class Backend(ABC):
         capabilities: what it declares it can run.
         attention: its paged-attention ops.
         memory: its memory profiler.
+        process_group_backend: the torch.distributed backend for multi-rank execution.
     """
 
     name: str
@@ -161,6 +162,8 @@ class Backend(ABC):
     capabilities: Capabilities
     attention: AttentionOps
     memory: MemoryProfiler
+    #: torch.distributed backend its communicator runs on ("gloo", "nccl", "xccl", ...)
+    process_group_backend: str = "gloo"
 
     @abstractmethod
     def communicator(self, group: Any = None) -> Communicator:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from platform_core.worker.input_builder import InputBuilder
 from platform_core.worker.kv_tensors import allocate_kv_caches, kv_bytes_per_block
 from platform_core.worker.sampling_step import StepSampler
 from platform_core.worker.step_plan import StepPlan, make_step_plan
+
+if TYPE_CHECKING:
+    from platform_core.distributed.parallel_state import TPGroup
 
 logger = logging.getLogger("platform_core.worker")
 
@@ -47,6 +50,7 @@ class ModelRunner:
         hf_config: Any,
         dtype: torch.dtype,
         eos_token_ids: frozenset[int] = frozenset(),
+        tp: TPGroup | None = None,
     ) -> None:
         from platform_core.models.loader import load_model
 
@@ -54,7 +58,13 @@ class ModelRunner:
         self.backend = backend
         self.dtype = dtype
         self.model = load_model(
-            model_dir, hf_config, dtype, backend.device, backend.attention, backend.op_overrides()
+            model_dir,
+            hf_config,
+            dtype,
+            backend.device,
+            backend.attention,
+            backend.op_overrides(),
+            **({} if tp is None else {"tp": tp}),
         )
         self.block_size = config.cache.block_size
         self.input_builder = InputBuilder(self.block_size, backend.device)

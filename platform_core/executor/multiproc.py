@@ -1,0 +1,157 @@
+"""Tensor-parallel ranks as spawned processes on this machine, driven over pipes.
+
+Each step the driver sends the step plan (numpy arrays and ids, small) to every worker, runs its
+own share (the collectives meet in the middle), then collects one acknowledgement per worker. A
+worker that exits or raises turns into ``WorkerDiedError`` within the worker timeout; the process
+group's own timeout bounds a collective whose peer vanished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from platform_core.distributed.launch import LoopbackGroupConfig, find_free_port
+from platform_core.executor.base import Executor, ModelSpec, WorkerDiedError
+from platform_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from platform_core.worker.model_runner import KVCachePlan
+
+logger = logging.getLogger("platform_core.executor")
+
+
+def _worker_main(spec: ModelSpec, group: LoopbackGroupConfig, rank: int, conn: Connection) -> None:
+    """A worker process: build the rank, then serve ``(method, args)`` calls until shutdown."""
+    from platform_core.executor.rank import build_rank_runner
+
+    try:
+        runner = build_rank_runner(spec, group, rank)
+        conn.send(("ok", None))
+    except Exception:  # reported to the driver, which fails start-up with it
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the driver is gone
+            return
+        if method == "shutdown":
+            return
+        try:
+            result = getattr(runner, method)(*args)
+            conn.send(("ok", None if method == "forward" else result))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            return
+
+
+class MultiprocExecutor(Executor):
+    """``tensor_parallel_size`` ranks: the driver plus spawned worker processes."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from platform_core.executor.rank import build_rank_runner
+
+        parallel = spec.config.parallel
+        self.timeout = parallel.worker_timeout_s
+        group = LoopbackGroupConfig(
+            parallel.tensor_parallel_size, find_free_port(), parallel.worker_timeout_s
+        )
+        context = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        for rank in range(1, group.world_size):
+            parent, child = context.Pipe()
+            proc = context.Process(
+                target=_worker_main, args=(spec, group, rank, child), daemon=True,
+                name=f"platform-core-rank{rank}",
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        try:
+            self.driver = build_rank_runner(spec, group, 0)
+            self._collect()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (driver + %d worker processes)",
+                    group.world_size, len(self._procs))
+
+    def _broadcast(self, method: str, *args: Any) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, OSError) as exc:
+                raise WorkerDiedError(f"worker {proc.name} is gone: {exc}") from exc
+
+    def _collect(self) -> list[Any]:
+        """One reply per worker, or ``WorkerDiedError`` (dead, failed, or silent too long)."""
+        results = []
+        deadline = time.monotonic() + self.timeout
+        for conn, proc in zip(self._conns, self._procs):
+            while not conn.poll(0.05):
+                if not proc.is_alive():
+                    raise WorkerDiedError(f"worker {proc.name} exited (code {proc.exitcode})")
+                if time.monotonic() > deadline:
+                    raise WorkerDiedError(f"worker {proc.name} did not answer in {self.timeout}s")
+            try:
+                status, value = conn.recv()
+            except EOFError as exc:
+                raise WorkerDiedError(f"worker {proc.name} closed its pipe") from exc
+            if status != "ok":
+                raise WorkerDiedError(f"worker {proc.name} failed:\n{value}")
+            results.append(value)
+        return results
+
+    def _call(self, method: str, *args: Any) -> tuple[Any, list[Any]]:
+        """Run ``method`` on every rank; the driver's result and the workers'."""
+        self._broadcast(method, *args)
+        try:
+            mine = getattr(self.driver, method)(*args)
+        except RuntimeError as exc:  # a collective whose peer died
+            self.check_health()
+            raise WorkerDiedError(f"a collective failed: {exc}") from exc
+        return mine, self._collect()
+
+    def plan_kv_cache(
+        self, max_useful_blocks: int, max_model_len: int, extra_bytes_per_block: int = 0
+    ) -> KVCachePlan:
+        mine, theirs = self._call(
+            "plan_kv_cache", max_useful_blocks, max_model_len, extra_bytes_per_block
+        )
+        smallest = min(p.num_blocks for p in [mine, *theirs])
+        return KVCachePlan(smallest, mine.bytes_per_block, mine.budget_bytes, mine.source,
+                           mine.memory)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call("allocate_kv_cache", num_blocks)
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        plan = self.driver.plan(output)
+        logits, _ = self._call("forward", plan)
+        return self.driver.step_sampler(output, plan, logits)
+
+    def check_health(self) -> None:
+        for proc in self._procs:
+            if not proc.is_alive():
+                raise WorkerDiedError(f"worker {proc.name} exited (code {proc.exitcode})")
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for conn in self._conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send(("shutdown", ()))
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._conns, self._procs = [], []

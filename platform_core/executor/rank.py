@@ -1,0 +1,30 @@
+"""Building one rank of a tensor-parallel group: process group, backend, communicator, runner."""
+
+from __future__ import annotations
+
+from platform_core.distributed.launch import LoopbackGroupConfig, init_loopback_process_group
+from platform_core.executor.base import ModelSpec
+from platform_core.plugins.manager import PluginManager
+from platform_core.worker.model_runner import ModelRunner
+
+
+def build_rank_runner(spec: ModelSpec, group: LoopbackGroupConfig, rank: int) -> ModelRunner:
+    """Join the group as ``rank`` and load this rank's shard of the model.
+
+    Blocks until every rank has joined. The backend is created by name (the driver already
+    chose it), so all ranks run the same backend.
+    """
+    from platform_core.distributed.parallel_state import TPGroup
+
+    backend = PluginManager().create(spec.config)
+    init_loopback_process_group(group, rank, backend.process_group_backend)
+    tp = TPGroup(rank=rank, size=group.world_size, communicator=backend.communicator(None))
+    return ModelRunner(
+        spec.config,
+        backend,
+        spec.model_dir,
+        spec.hf_config,
+        spec.dtype,
+        spec.eos_token_ids,
+        tp=tp,
+    )
