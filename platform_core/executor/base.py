@@ -7,6 +7,7 @@ is collective: the executor sends it to all ranks before the driver runs its sha
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,3 +80,52 @@ class UniprocExecutor(Executor):
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute(output)
+
+
+class LockstepExecutor(Executor):
+    """Several ranks: each collective method goes to the workers, then runs on the driver.
+
+    Subclasses supply the transport: ``_send`` a call to every worker and ``_gather`` one reply
+    from each (raising ``WorkerDiedError`` for a dead, failed or silent worker).
+    """
+
+    @abstractmethod
+    def _send(self, method: str, args: tuple[Any, ...]) -> None: ...
+
+    @abstractmethod
+    def _gather(self) -> list[Any]: ...
+
+    def _call(self, method: str, *args: Any) -> tuple[Any, list[Any]]:
+        """Run ``method`` on every rank; the driver's result and the workers'."""
+        self._send(method, args)
+        try:
+            mine = getattr(self.driver, method)(*args)
+        except RuntimeError as exc:  # a collective whose peer died
+            self.check_health()
+            raise WorkerDiedError(f"a collective failed: {exc}") from exc
+        return mine, self._gather()
+
+    def plan_kv_cache(
+        self, max_useful_blocks: int, max_model_len: int, extra_bytes_per_block: int = 0
+    ) -> KVCachePlan:
+        mine, theirs = self._call(
+            "plan_kv_cache", max_useful_blocks, max_model_len, extra_bytes_per_block
+        )
+        smallest = min(p.num_blocks for p in [mine, *theirs])
+        return dataclasses.replace(mine, num_blocks=smallest)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._call("allocate_kv_cache", num_blocks)
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        plan = self.driver.plan(output)
+        logits, _ = self._call("forward", plan)
+        return self.driver.step_sampler(output, plan, logits)
+
+
+def destroy_process_group() -> None:
+    """Leave the default process group, if this process joined one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

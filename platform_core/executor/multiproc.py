@@ -17,9 +17,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from platform_core.distributed.launch import LoopbackGroupConfig, find_free_port
-from platform_core.executor.base import Executor, ModelSpec, WorkerDiedError
-from platform_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from platform_core.worker.model_runner import KVCachePlan
+from platform_core.executor.base import (
+    LockstepExecutor,
+    ModelSpec,
+    WorkerDiedError,
+    destroy_process_group,
+)
 
 logger = logging.getLogger("platform_core.executor")
 
@@ -49,7 +52,7 @@ def _worker_main(spec: ModelSpec, group: LoopbackGroupConfig, rank: int, conn: C
             return
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(LockstepExecutor):
     """``tensor_parallel_size`` ranks: the driver plus spawned worker processes."""
 
     def __init__(self, spec: ModelSpec) -> None:
@@ -75,22 +78,21 @@ class MultiprocExecutor(Executor):
             self._procs.append(proc)
         try:
             self.driver = build_rank_runner(spec, group, 0)
-            self._collect()
+            self._gather()
         except BaseException:
             self.shutdown()
             raise
         logger.info("tensor parallel: %d ranks (driver + %d worker processes)",
                     group.world_size, len(self._procs))
 
-    def _broadcast(self, method: str, *args: Any) -> None:
+    def _send(self, method: str, args: tuple[Any, ...]) -> None:
         for conn, proc in zip(self._conns, self._procs):
             try:
                 conn.send((method, args))
             except (BrokenPipeError, OSError) as exc:
                 raise WorkerDiedError(f"worker {proc.name} is gone: {exc}") from exc
 
-    def _collect(self) -> list[Any]:
-        """One reply per worker, or ``WorkerDiedError`` (dead, failed, or silent too long)."""
+    def _gather(self) -> list[Any]:
         results = []
         deadline = time.monotonic() + self.timeout
         for conn, proc in zip(self._conns, self._procs):
@@ -108,44 +110,13 @@ class MultiprocExecutor(Executor):
             results.append(value)
         return results
 
-    def _call(self, method: str, *args: Any) -> tuple[Any, list[Any]]:
-        """Run ``method`` on every rank; the driver's result and the workers'."""
-        self._broadcast(method, *args)
-        try:
-            mine = getattr(self.driver, method)(*args)
-        except RuntimeError as exc:  # a collective whose peer died
-            self.check_health()
-            raise WorkerDiedError(f"a collective failed: {exc}") from exc
-        return mine, self._collect()
-
-    def plan_kv_cache(
-        self, max_useful_blocks: int, max_model_len: int, extra_bytes_per_block: int = 0
-    ) -> KVCachePlan:
-        mine, theirs = self._call(
-            "plan_kv_cache", max_useful_blocks, max_model_len, extra_bytes_per_block
-        )
-        smallest = min(p.num_blocks for p in [mine, *theirs])
-        return KVCachePlan(smallest, mine.bytes_per_block, mine.budget_bytes, mine.source,
-                           mine.memory)
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._call("allocate_kv_cache", num_blocks)
-
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        plan = self.driver.plan(output)
-        logits, _ = self._call("forward", plan)
-        return self.driver.step_sampler(output, plan, logits)
-
     def check_health(self) -> None:
         for proc in self._procs:
             if not proc.is_alive():
                 raise WorkerDiedError(f"worker {proc.name} exited (code {proc.exitcode})")
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group()
         for conn in self._conns:
             with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(("shutdown", ()))

@@ -1,0 +1,183 @@
+"""Paged attention of the CPU backend: a compiled C++/OpenMP kernel with a pure-torch fallback.
+
+Cache layout of one layer: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (0 keys,
+1 values), so the tokens of one KV head within a block are contiguous. The path is chosen by
+``PLATFORM_CORE_CPU_KERNEL``: ``compiled`` (the C++ kernel; an error if it cannot be built),
+``torch`` (the fallback), or ``auto`` (default: compiled, else the fallback with a warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from platform_core.attention.metadata import AttentionMetadata
+from platform_core.errors import BackendError, ConfigError
+from platform_core.plugins.interfaces import AttentionOps
+from platform_core_cpu.kernels import load_kernels
+
+logger = logging.getLogger("platform_core_cpu")
+
+KERNEL_ENV = "PLATFORM_CORE_CPU_KERNEL"
+KERNEL_MODES = ("auto", "compiled", "torch")
+
+
+class CpuAttentionOps(AttentionOps):
+    """CPU paged-attention ops; ``mode`` (default: ``$PLATFORM_CORE_CPU_KERNEL`` or ``auto``)
+    picks the compiled kernel or the torch fallback, resolved on first use."""
+
+    def __init__(self, mode: str | None = None) -> None:
+        mode = mode or os.environ.get(KERNEL_ENV, "auto")
+        if mode not in KERNEL_MODES:
+            raise ConfigError(f"{KERNEL_ENV}={mode!r} is not valid; valid values: {KERNEL_MODES}")
+        self.mode = mode
+        self._ops: Any = None
+        self._resolved = False
+
+    @property
+    def kernel(self) -> str:
+        """The path in use: ``"compiled"`` or ``"torch"`` (builds the kernel if needed)."""
+        return "compiled" if self._compiled_ops() is not None else "torch"
+
+    def _compiled_ops(self) -> Any:
+        """``torch.ops.platform_core_cpu``, or ``None`` on the torch path."""
+        if not self._resolved:
+            self._ops = self._resolve()
+            self._resolved = True
+        return self._ops
+
+    def _resolve(self) -> Any:
+        if self.mode == "torch":
+            logger.info("CPU attention: torch path (%s=torch)", KERNEL_ENV)
+            return None
+        build = load_kernels()
+        if build.ops is not None:
+            logger.info("CPU attention: compiled kernel (loaded in %.1f s)", build.seconds)
+            return build.ops
+        if self.mode == "compiled":
+            raise BackendError(f"CPU attention kernel could not be built: {build.reason}")
+        logger.warning(
+            "CPU attention: compiled kernel unavailable, using the slower torch fallback (%s)",
+            build.reason,
+        )
+        return None
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """``[2, num_blocks, num_kv_heads, block_size, head_size]``."""
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]``; ``-1`` slots skip."""
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        ops = self._compiled_ops()
+        if ops is not None:
+            slots = slot_mapping.long().contiguous()
+            ops.write_kv(_rows_contiguous(key), _rows_contiguous(value), kv_cache, slots)
+            return
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid].long()
+        block_size = kv_cache.shape[3]
+        blocks, offsets = slots // block_size, slots % block_size
+        # Two advanced indices split by a slice: the result is [tokens, kv_heads, head_size].
+        kv_cache[0, blocks, :, offsets] = key[valid]
+        kv_cache[1, blocks, :, offsets] = value[valid]
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal GQA attention of ``query`` ``[num_tokens, num_heads, head_size]``."""
+        ops = self._compiled_ops()
+        q = query.to(kv_cache.dtype)
+        if ops is None:
+            out = torch_paged_attention(q, kv_cache, metadata, scale)
+        else:
+            out = torch.empty_like(q)
+            ops.paged_attention(
+                _rows_contiguous(q),
+                kv_cache,
+                metadata.query_start_loc.int().contiguous(),
+                metadata.seq_lens.int().contiguous(),
+                metadata.block_tables.int().contiguous(),
+                scale,
+                out,
+            )
+        return out.to(query.dtype)
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when its last dimension is contiguous (the kernels take other strides)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _gather(
+    kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 keys and values ``[seqs, kv_heads, num_blocks * block_size, head_size]`` of each
+    row of ``tables``; entries past a sequence's blocks are padding, read as block 0 instead."""
+    _, _, heads, block_size, head_size = kv_cache.shape
+    tables = tables[:, :num_blocks].long()
+    used = (seq_lens.long() + block_size - 1) // block_size
+    ids = torch.where(torch.arange(num_blocks) < used[:, None], tables, 0).flatten()
+    shape = (tables.shape[0], num_blocks, heads, block_size, head_size)
+
+    def flat(part: torch.Tensor) -> torch.Tensor:
+        blocks = part.index_select(0, ids).view(shape).transpose(1, 2)
+        out = torch.empty(blocks.shape, dtype=torch.float32)  # one pass: reorder and upcast
+        return out.copy_(blocks).flatten(2, 3)
+
+    return flat(kv_cache[0]), flat(kv_cache[1])
+
+
+def _attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA in float32 (bf16 SDPA on CPU rounds the probabilities to bf16)."""
+    return F.scaled_dot_product_attention(
+        query.float(), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+
+
+def torch_paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The fallback: decodes batched into one SDPA call, each prefill chunk its own call with an
+    explicit causal mask offset by its cached prefix."""
+    out = torch.empty_like(query)
+    starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    block_size = kv_cache.shape[3]
+    q_lens = [starts[i + 1] - starts[i] for i in range(metadata.num_seqs)]
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    if decodes:
+        rows = torch.tensor([starts[i] for i in decodes])
+        index = torch.tensor(decodes)
+        seq_lens = metadata.seq_lens[index]
+        num_blocks = -(-max(lens[i] for i in decodes) // block_size)
+        keys, values = _gather(kv_cache, metadata.block_tables[index], seq_lens, num_blocks)
+        visible = torch.arange(keys.shape[2]) < seq_lens[:, None].long()
+        attn = _attend(query[rows].unsqueeze(2), keys, values, visible[:, None, None, :], scale)
+        out[rows] = attn.squeeze(2).to(out.dtype)
+    for i in (i for i, n in enumerate(q_lens) if n > 1):
+        seq_len, q = lens[i], query[starts[i] : starts[i + 1]]
+        table, seq_lens = metadata.block_tables[i : i + 1], metadata.seq_lens[i : i + 1]
+        keys, values = _gather(kv_cache, table, seq_lens, -(-seq_len // block_size))
+        q_pos = torch.arange(seq_len - q_lens[i], seq_len)[:, None]
+        causal = torch.arange(keys.shape[2])[None, :] <= q_pos
+        attn = _attend(q.transpose(0, 1).unsqueeze(0), keys, values, causal, scale)
+        out[starts[i] : starts[i + 1]] = attn[0].transpose(0, 1)
+    return out

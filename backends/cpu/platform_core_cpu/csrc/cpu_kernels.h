@@ -1,0 +1,46 @@
+// Declarations shared by the CPU kernel translation units, and their element conversions.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <bit>
+#include <cstdint>
+
+namespace platform_core_cpu {
+
+// Causal paged attention over a flattened batch of prefill chunks and decodes; writes `out`.
+void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                     const at::Tensor& block_tables, double scale, const at::Tensor& out);
+
+// Scatters key/value [tokens, kv_heads, head_size] into the cache; slots of -1 are skipped.
+void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping);
+
+// Element conversions written on raw bits so that loops over them vectorize.
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <>
+inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16);
+}
+
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  // Round to nearest even; NaN keeps a quiet-NaN pattern.
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  c10::BFloat16 out;
+  out.x = (x != x) ? uint16_t{0x7FC0}
+                   : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return out;
+}
+
+}  // namespace platform_core_cpu

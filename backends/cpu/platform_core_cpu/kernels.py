@@ -1,0 +1,108 @@
+"""Builds and loads the compiled CPU attention kernels on first use.
+
+The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension`` into a build folder
+under ``$PLATFORM_CORE_CACHE/kernels`` (default ``~/.cache/platform-core/kernels``) named by a hash
+of the sources, the compiler flags, the torch version and the host CPU, so a build is reused by
+every later process and a changed source or machine gets a fresh one. The ops are registered as
+``torch.ops.platform_core_cpu.paged_attention`` and ``torch.ops.platform_core_cpu.write_kv``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("platform_core_cpu")
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("paged_attention.cpp", "write_kv.cpp", "ops.cpp")
+HEADERS = ("cpu_kernels.h", "vec_math.h")
+# -march=native is safe because the build key includes the host CPU's identity.
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBuild:
+    """Outcome of loading the compiled kernels: ``ops`` is ``None`` when they are unavailable.
+
+    Attributes:
+        ops: the ``torch.ops.platform_core_cpu`` namespace, or ``None``.
+        reason: why the kernels are unavailable (empty when they loaded).
+        seconds: wall time the build/load took in this process.
+    """
+
+    ops: Any
+    reason: str
+    seconds: float
+
+
+def cache_dir() -> Path:
+    """Root folder of compiled kernel builds."""
+    root = os.environ.get("PLATFORM_CORE_CACHE")
+    base = Path(root) if root else Path.home() / ".cache" / "platform-core"
+    return base / "kernels"
+
+
+def _cpu_identity() -> str:
+    """Model and feature flags of the host CPU (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
+
+
+def build_key() -> str:
+    """Hash naming one build: sources, flags, torch/python versions and the host CPU."""
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update(name.encode())
+        digest.update((CSRC / name).read_bytes())
+    for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, _cpu_identity()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def load_kernels() -> KernelBuild:
+    """Build (when no cached build matches) and load the kernels once per process.
+
+    Never raises: a failed build is reported through ``KernelBuild.reason`` so the caller can
+    fall back to pure torch; the failure is remembered for the rest of the process.
+    """
+    start = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        name = f"platform_core_cpu_kernels_{build_key()}"
+        build_dir = cache_dir() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not (build_dir / f"{name}.so").exists():
+            logger.info("compiling the CPU attention kernels once, into %s", build_dir)
+        cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / source) for source in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+        )
+    except Exception as exc:  # any build or load failure means "use the fallback"
+        lines = str(exc).strip().splitlines() or [""]
+        # A build error's first line is the ninja command; the compiler's own error line says why.
+        detail = next((line for line in lines[1:] if "error" in line.lower()), lines[0])
+        reason = f"{type(exc).__name__}: {detail.strip()[:300]}"
+        return KernelBuild(None, reason, time.perf_counter() - start)
+    return KernelBuild(torch.ops.platform_core_cpu, "", time.perf_counter() - start)

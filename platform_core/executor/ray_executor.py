@@ -1,0 +1,121 @@
+"""Tensor-parallel ranks as Ray actors placed by a placement group.
+
+``ray_address`` joins an existing cluster (``ray start --head ...``); without it a local cluster is
+started on a loopback node address (Ray rewrites 127.0.0.1 to the machine's interface address,
+so 127.0.0.2 is used unless ``PLATFORM_CORE_RAY_NODE_IP`` says otherwise). The ranks meet in a
+process group rooted at the driver; this version expects the ranks on the driver's machine
+(single-node placement, ``STRICT_PACK``), which is what the loopback rendezvous allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from platform_core.distributed.launch import LoopbackGroupConfig, find_free_port
+from platform_core.executor.base import (
+    LockstepExecutor,
+    ModelSpec,
+    WorkerDiedError,
+    destroy_process_group,
+)
+
+logger = logging.getLogger("platform_core.executor")
+
+DEFAULT_NODE_IP = "127.0.0.2"
+
+
+class RayRank:
+    """One worker rank inside a Ray actor."""
+
+    def __init__(self, spec: ModelSpec, group: LoopbackGroupConfig, rank: int) -> None:
+        from platform_core.executor.rank import build_rank_runner
+
+        self.runner = build_rank_runner(spec, group, rank)
+
+    def call(self, method: str, args: tuple[Any, ...]) -> Any:
+        result = getattr(self.runner, method)(*args)
+        return None if method == "forward" else result
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayExecutor(LockstepExecutor):
+    """``tensor_parallel_size`` ranks: the driver plus Ray actors."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from platform_core.executor.rank import build_rank_runner
+
+        parallel = spec.config.parallel
+        self.timeout = parallel.worker_timeout_s
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            if parallel.ray_address:
+                ray.init(address=parallel.ray_address, log_to_driver=False)
+            else:
+                ray.init(
+                    _node_ip_address=os.environ.get("PLATFORM_CORE_RAY_NODE_IP", DEFAULT_NODE_IP),
+                    include_dashboard=False,
+                    log_to_driver=False,
+                )
+        world = parallel.tensor_parallel_size
+        group = LoopbackGroupConfig(world, find_free_port(), parallel.worker_timeout_s)
+        self._pg = placement_group([{"CPU": 1}] * (world - 1), strategy="STRICT_PACK")
+        ray.get(self._pg.ready(), timeout=self.timeout)
+        remote_rank = ray.remote(num_cpus=1)(RayRank)
+        self._actors = [
+            remote_rank.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=rank - 1
+                )
+            ).remote(spec, group, rank)
+            for rank in range(1, world)
+        ]
+        self._pending: list[Any] = []
+        try:
+            self.driver = build_rank_runner(spec, group, 0)
+            self.worker_pids = ray.get([a.pid.remote() for a in self._actors], timeout=self.timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (driver + %d Ray actors)", world, world - 1)
+
+    def _send(self, method: str, args: tuple[Any, ...]) -> None:
+        self._pending = [actor.call.remote(method, args) for actor in self._actors]
+
+    def _gather(self) -> list[Any]:
+        import ray
+
+        pending, self._pending = self._pending, []
+        try:
+            return ray.get(pending, timeout=self.timeout)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise WorkerDiedError(f"a Ray worker failed: {exc}") from exc
+
+    def check_health(self) -> None:
+        import ray
+
+        try:
+            ray.get([a.pid.remote() for a in self._actors], timeout=5)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise WorkerDiedError(f"a Ray worker is gone: {exc}") from exc
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        destroy_process_group()
+        for actor in getattr(self, "_actors", []):
+            ray.kill(actor)
+        self._actors = []
+        if getattr(self, "_pg", None) is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
