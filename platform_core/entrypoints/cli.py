@@ -7,6 +7,7 @@ import logging
 import sys
 
 from platform_core.entrypoints.chat_cli import add_chat_parser
+from platform_core.entrypoints.conformance_cli import add_conformance_parser
 from platform_core.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from platform_core.errors import PlatformCoreError
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=_cmd_generate)
 
     add_chat_parser(commands)
+    add_conformance_parser(commands)
 
     backends = commands.add_parser(
         "backends", help="list installed backends and why each is usable"

@@ -1,0 +1,78 @@
+"""Running the real engine (``LLM``) on the backend under test, for the engine-level checks."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from platform_core import LLM, SamplingParams
+from platform_core_conformance.context import ConformanceContext
+
+E2E_MAX_TOKENS = 8
+MAX_NUM_SEQS = 8
+# Small limits keep the profiled KV cache and the dummy profiling forward small.
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "max_model_len": 512,
+    "skip_tokenizer_init": True,
+    "enable_prefix_caching": False,
+}
+
+
+def make_llm(context: ConformanceContext, model_dir: Path, **overrides: Any) -> LLM:
+    """An ``LLM`` on the backend under test: float32 unless undeclared (then the first declared
+    dtype), chunked prefill only where it is declared."""
+    caps = context.capabilities
+    defaults = {
+        "dtype": "float32" if "float32" in caps.dtypes else caps.dtypes[0],
+        "enable_chunked_prefill": "chunked_prefill" in caps.features,
+        "max_num_seqs": min(MAX_NUM_SEQS, caps.max_batch or MAX_NUM_SEQS),
+    }
+    kwargs = {**ENGINE_DEFAULTS, **defaults, **overrides}
+    return LLM(str(model_dir), backend=context.name, **kwargs)
+
+
+def greedy(
+    llm: LLM, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens of every prompt and the logprob of each; EOS is blocked (as in the HF
+    reference), so every request runs to ``max_tokens``."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=0
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens, logprobs = [], []
+    for output in outputs:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "length", completion.finish_reason
+        tokens.append(list(completion.token_ids))
+        logprobs.append(
+            [at[token].logprob for at, token in zip(completion.logprobs, completion.token_ids)]
+        )
+    return tokens, logprobs
+
+
+def assert_all_freed(llm: LLM) -> None:
+    """After every request finished, no KV block may still be in use."""
+    llm.engine.scheduler.kv.check_integrity()
+    stats = llm.stats()
+    assert stats["kv_blocks_used"] == 0, f"{stats['kv_blocks_used']} KV blocks still in use"
+
+
+def kv_cache_bytes(llm: LLM) -> int:
+    """Bytes of the KV-cache tensors the engine allocated in the backend's layout."""
+    return sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
+
+
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of the distinct storages of live Python-visible tensors on ``device``'s type."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        # type() rather than isinstance(): no __class__ lookups on arbitrary (proxy) objects.
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == device.type:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

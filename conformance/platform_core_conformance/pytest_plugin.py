@@ -1,0 +1,77 @@
+"""The pytest plugin (entry point ``pytest11``): ``--backend`` and ``--conformance-report``.
+
+Installed with the package, so it loads in every pytest run of the environment; it stays inert
+(no torch import, no collection change) unless ``--backend`` is given. With ``--backend NAME``
+and no test paths on the command line, the run collects the installed suite.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from platform_core_conformance.runner import SUITE_DIR, ExtraBackendPlugins
+
+if TYPE_CHECKING:
+    from platform_core_conformance.context import ConformanceContext
+
+CONTEXT_KEY = pytest.StashKey["ConformanceContext"]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("platform-core conformance")
+    group.addoption(
+        "--backend",
+        default=None,
+        metavar="NAME",
+        help="run the platform-core conformance suite against the backend NAME",
+    )
+    group.addoption(
+        "--conformance-report",
+        default=None,
+        metavar="PATH",
+        help="write the conformance report (JSON) to PATH",
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    name = config.getoption("backend")
+    if name is None:
+        return
+    from platform_core.errors import BackendError
+    from platform_core_conformance.context import ConformanceContext
+    from platform_core_conformance.report import JsonReport
+
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        config.args = [str(SUITE_DIR)]
+    extra = [
+        plugin
+        for holder in config.pluginmanager.get_plugins()
+        if isinstance(holder, ExtraBackendPlugins)
+        for plugin in holder.plugins
+    ]
+    try:
+        context = ConformanceContext.create(name, extra)
+    except BackendError as exc:
+        raise pytest.UsageError(f"conformance: {exc}") from exc
+    config.stash[CONTEXT_KEY] = context
+    report_path = config.getoption("conformance_report")
+    if report_path is not None:
+        config.pluginmanager.register(JsonReport(context, Path(report_path)), "conformance-json")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave the suite alone in runs that did not ask for it (no ``--backend``)."""
+    if config.getoption("backend") is None and collection_path.is_relative_to(SUITE_DIR):
+        return True
+    return None
+
+
+def conformance_context(config: pytest.Config) -> ConformanceContext:
+    """The context of the current run (set up by ``pytest_configure``)."""
+    if CONTEXT_KEY not in config.stash:
+        raise pytest.UsageError("the platform-core conformance suite needs --backend NAME")
+    return config.stash[CONTEXT_KEY]

@@ -1,0 +1,1 @@
+"""The conformance checks (pytest modules), collected by ``platform-core conformance``."""
