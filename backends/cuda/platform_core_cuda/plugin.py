@@ -1,0 +1,135 @@
+"""pluggy hooks and the ``Backend`` object of the NVIDIA CUDA backend.
+
+Attention runs the shared Triton kernels (``platform_core.kernels.triton``) with launch
+parameters sized to the GPU; memory is profiled through ``torch.cuda``'s allocator; collectives
+go through NCCL. ``PLATFORM_CORE_CUDA_GRAPHS=0`` turns CUDA-graph capture of decode steps off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from platform_core.config import EngineConfig
+from platform_core.errors import BackendError
+from platform_core.kernels.triton.launch import LaunchParams
+from platform_core.plugins.hookspecs import hookimpl
+from platform_core.plugins.interfaces import Backend, BackendInfo, ConfigAdjustment
+from platform_core_cuda.probe import (
+    BF16_MIN_CAPABILITY,
+    NAME,
+    PACKAGE,
+    GpuInfo,
+    capabilities_for,
+    describe,
+    detect,
+    package_version,
+)
+
+GRAPHS_ENV = "PLATFORM_CORE_CUDA_GRAPHS"
+
+
+def graphs_enabled() -> bool:
+    """CUDA graphs are on unless ``PLATFORM_CORE_CUDA_GRAPHS=0``."""
+    return os.environ.get(GRAPHS_ENV, "1") != "0"
+
+
+def cuda_launch_params(num_sms: int) -> LaunchParams:
+    """Triton launch settings for an NVIDIA GPU with ``num_sms`` multiprocessors.
+
+    Split-KV kicks in when a launch has fewer than two programs per SM.
+    """
+    return LaunchParams(
+        block_m=64, block_n=64, num_warps=4, num_stages=2, target_programs=2 * num_sms
+    )
+
+
+def dtype_adjustments(config: EngineConfig, capability: tuple[int, int]) -> list[ConfigAdjustment]:
+    """bfloat16 on a GPU older than Ampere becomes float16."""
+    if config.model.dtype != "bfloat16" or capability >= BF16_MIN_CAPABILITY:
+        return []
+    return [
+        ConfigAdjustment(
+            "dtype",
+            "float16",
+            "bfloat16 needs compute capability 8.0+, this GPU is "
+            f"sm_{capability[0]}{capability[1]}",
+        )
+    ]
+
+
+class CudaBackend(Backend):
+    """One NVIDIA GPU: ``cuda:$LOCAL_RANK`` (0 when unset).
+
+    ``process_group_backend`` names the ``torch.distributed`` backend a launcher should
+    initialise for this device.
+    """
+
+    process_group_backend = "nccl"
+
+    def __init__(self) -> None:
+        from platform_core.kernels.device_memory import CachingAllocatorProfiler
+        from platform_core.kernels.triton.ops import TritonAttentionOps
+
+        self.name = NAME
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(self.device)
+        props = torch.cuda.get_device_properties(self.device)
+        self.compute_capability = (props.major, props.minor)
+        gpu = GpuInfo(props.name, self.compute_capability)
+        self.capabilities = capabilities_for((gpu,), graphs_enabled())
+        self.attention = TritonAttentionOps(cuda_launch_params(props.multi_processor_count))
+        self.memory = CachingAllocatorProfiler(torch.cuda, self.device)
+
+    def communicator(self, group: Any = None):
+        from platform_core.distributed.communicator import TorchDistributedCommunicator
+
+        return TorchDistributedCommunicator(group=group, device=self.device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
+        return dtype_adjustments(config, self.compute_capability)
+
+    def graph_runner(
+        self, model: Any, kv_caches: list[torch.Tensor], config: EngineConfig, max_model_len: int
+    ):
+        """A captured :class:`~platform_core_cuda.graph_runner.CudaGraphRunner` wrapping
+        ``model``'s forward (same signature), or ``None`` when graphs are turned off.
+
+        Meant to be called by the model runner once the KV cache is allocated."""
+        if not graphs_enabled():
+            return None
+        from platform_core_cuda.graph_buckets import capture_sizes
+        from platform_core_cuda.graph_runner import CudaGraphRunner
+
+        runner = CudaGraphRunner(
+            model,
+            kv_caches,
+            self.attention,
+            capture_sizes(config.scheduler.max_num_seqs),
+            max_model_len,
+            config.cache.block_size,
+            model.num_kv_heads,
+            self.device,
+        )
+        runner.capture()
+        return runner
+
+
+@hookimpl
+def platform_core_backend_info() -> BackendInfo:
+    return describe(detect(), package_version(PACKAGE), graphs_enabled())
+
+
+@hookimpl
+def platform_core_create_backend(name: str, config: EngineConfig) -> Backend | None:
+    if name != NAME:
+        return None
+    info = platform_core_backend_info()
+    if not info.available:
+        raise BackendError(f"backend 'cuda' is not available: {info.reason}")
+    return CudaBackend()
