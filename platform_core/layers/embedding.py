@@ -1,4 +1,8 @@
-"""Token embedding table, also usable as the (tied) output projection."""
+"""Vocabulary-parallel token table: the input embedding and the (tied or own) output head.
+
+Each rank holds a contiguous range of vocabulary rows; the vocabulary is padded up to a multiple
+of the tensor-parallel size, and the padding rows are zero and never loaded.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from platform_core.distributed.parallel_state import TPGroup
+from platform_core.layers.sharding import Placement, Shard
 
-class VocabEmbedding(nn.Module):
-    """Looks up ``[num_tokens]`` ids in a ``[vocab_size, hidden_size]`` table."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+class VocabParallelEmbedding(nn.Module):
+    """A ``[vocab, hidden]`` table split by vocabulary rows over the ranks of ``tp``.
+
+    ``forward`` looks ids up (each rank contributes the rows it holds, then an all-reduce);
+    ``logits`` uses the table as the output projection (local logits, then an all-gather).
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
+        start, length, padded = tp.padded_shard_range(vocab_size)
+        self.vocab_size = vocab_size
+        self.shard = Shard(start, length, vocab_size)
         self.weight = nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(padded, hidden_size, dtype=dtype), requires_grad=False
         )
+        with torch.no_grad():
+            self.weight[length:].zero_()
+        self._communicator = tp.communicator if tp.is_parallel else None
+
+    def placements(self, param_name: str) -> tuple[Placement, ...]:
+        """This rank's vocabulary rows fill the start of the table."""
+        return (Placement(0, self.shard),)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        """``[T]`` ids -> ``[T, hidden]`` embeddings (the full rows, on every rank)."""
+        if self._communicator is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.shard.start
+        elsewhere = (local < 0) | (local >= self.shard.length)
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        rows.masked_fill_(elsewhere.unsqueeze(-1), 0)
+        return self._communicator.all_reduce(rows)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32 over the full vocabulary, on every rank.
 
-def logits_from_hidden(hidden: torch.Tensor, lm_weight: torch.Tensor) -> torch.Tensor:
-    """``[N, hidden] -> [N, vocab]`` in float32; the matmul runs in the model's dtype."""
-    return F.linear(hidden, lm_weight).float()
+        The matmul and the gather run in the model's dtype.
+        """
+        logits = F.linear(hidden, self.weight)
+        if self._communicator is not None:
+            logits = self._communicator.all_gather(logits, dim=-1)[..., : self.vocab_size]
+        return logits.float()
+
+    def extra_repr(self) -> str:
+        shard = self.shard
+        rows = f"{shard.start}:{shard.start + shard.length} of {shard.full}"
+        return f"vocab={rows}, hidden={self.weight.shape[1]}"

@@ -5,12 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.activation import SiluAndMulFn
-from platform_core.layers.linear import Linear
+from platform_core.layers.linear import ColumnParallelLinear, RowParallelLinear
+from platform_core.layers.sharding import Shard
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``gate_up_proj`` matmul."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``gate_up_proj`` matmul.
+
+    Under tensor parallelism each rank holds a slice of the intermediate features (the same
+    slice of gate and of up), and ``down_proj`` sums the ranks' partial outputs.
+    """
 
     def __init__(
         self,
@@ -19,16 +25,14 @@ class GatedMLP(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         act: SiluAndMulFn,
+        tp: TPGroup,
     ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(
-            hidden_size,
-            (intermediate_size, intermediate_size),
-            bias,
-            dtype,
-            checkpoint_parts=("gate_proj", "up_proj"),
+        shard = Shard(*tp.shard_range(intermediate_size, "intermediate_size"), intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, (shard, shard), bias, dtype, checkpoint_parts=("gate_proj", "up_proj")
         )
-        self.down_proj = Linear(intermediate_size, (hidden_size,), bias, dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, tp)
         self._act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from platform_core.distributed.parallel_state import TPGroup, check_divisible
 from platform_core.errors import ModelLoadError
-from platform_core.layers.attention import PagedAttention
-from platform_core.layers.embedding import VocabEmbedding, logits_from_hidden
-from platform_core.layers.linear import Linear
+from platform_core.layers.attention import HeadShards, PagedAttention
+from platform_core.layers.embedding import VocabParallelEmbedding
+from platform_core.layers.linear import ColumnParallelLinear, RowParallelLinear
 from platform_core.layers.mlp import GatedMLP
 from platform_core.layers.norm import RMSNorm
 from platform_core.layers.ops import LayerOps, resolve_ops
@@ -89,6 +90,15 @@ class DecoderSpec:
             **flags,
         )
 
+    def heads_of_rank(self, rank: int, size: int) -> HeadShards:
+        """The attention heads rank ``rank`` of ``size`` computes (ConfigError if unsplittable)."""
+        return HeadShards.for_rank(self.num_heads, self.num_kv_heads, self.head_size, rank, size)
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """ConfigError unless this decoder can be split over ``size`` tensor-parallel ranks."""
+        self.heads_of_rank(0, size)
+        check_divisible(self.intermediate_size, size, "intermediate_size")
+
 
 def _check_sliding_window(cfg: Any, max_position: int) -> None:
     """Reject a sliding window that would mask something; one spanning the whole context is
@@ -103,29 +113,49 @@ def _check_sliding_window(cfg: Any, max_position: int) -> None:
         )
 
 
-class LlamaAttention(nn.Module):
-    """Fused q/k/v projection, optional per-head q/k norm, rotary, paged attention, output."""
+@dataclass(frozen=True, slots=True)
+class _Build:
+    """What every module of one model is built from."""
 
-    def __init__(
-        self, spec: DecoderSpec, attention_ops: AttentionOps, dtype: torch.dtype, ops: LayerOps
-    ) -> None:
+    spec: DecoderSpec
+    attention_ops: AttentionOps
+    dtype: torch.dtype
+    ops: LayerOps
+    tp: TPGroup
+
+    def norm(self, size: int) -> RMSNorm:
+        return RMSNorm(size, self.spec.rms_norm_eps, self.dtype, self.ops.rms_norm)
+
+
+class LlamaAttention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k norm, rotary, paged attention, output.
+
+    Under tensor parallelism a rank computes its own heads (``HeadShards``); the fused q/k/v
+    holds its q heads, then its k heads, then its v heads, and ``o_proj`` sums over ranks.
+    """
+
+    def __init__(self, build: _Build) -> None:
         super().__init__()
-        q_size = spec.num_heads * spec.head_size
-        kv_size = spec.num_kv_heads * spec.head_size
-        self._sizes = (q_size, kv_size, kv_size)
-        self._heads = (spec.num_heads, spec.num_kv_heads, spec.head_size)
-        self.qkv_proj = Linear(
-            spec.hidden_size, self._sizes, spec.qkv_bias, dtype, ("q_proj", "k_proj", "v_proj")
+        spec, dtype, tp = build.spec, build.dtype, build.tp
+        heads = spec.heads_of_rank(tp.rank, tp.size)
+        self._sizes = (heads.q_rows.length, heads.kv_rows.length, heads.kv_rows.length)
+        self._heads = (heads.num_heads, heads.num_kv_heads, spec.head_size)
+        self.qkv_proj = ColumnParallelLinear(
+            spec.hidden_size,
+            (heads.q_rows, heads.kv_rows, heads.kv_rows),
+            spec.qkv_bias,
+            dtype,
+            ("q_proj", "k_proj", "v_proj"),
         )
-        self.o_proj = Linear(q_size, (spec.hidden_size,), spec.o_bias, dtype)
-        self.q_norm: RMSNorm | None = None
-        self.k_norm: RMSNorm | None = None
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_size, spec.rms_norm_eps, dtype, ops.rms_norm)
-            self.k_norm = RMSNorm(spec.head_size, spec.rms_norm_eps, dtype, ops.rms_norm)
-        self._rotary = ops.rotary
+        self.o_proj = RowParallelLinear(heads.q_rows.full, spec.hidden_size, spec.o_bias, dtype, tp)
+        self.q_norm = build.norm(spec.head_size) if spec.qk_norm else None
+        self.k_norm = build.norm(spec.head_size) if spec.qk_norm else None
+        self._rotary = build.ops.rotary
         self.attn = PagedAttention(
-            attention_ops, spec.num_heads, spec.num_kv_heads, spec.head_size,
+            build.attention_ops,
+            heads.num_heads,
+            heads.num_kv_heads,
+            spec.head_size,
             scale=spec.head_size**-0.5,
         )
 
@@ -152,17 +182,19 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then gated MLP."""
 
-    def __init__(
-        self, spec: DecoderSpec, attention_ops: AttentionOps, dtype: torch.dtype, ops: LayerOps
-    ) -> None:
+    def __init__(self, build: _Build) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops.rms_norm)
-        self.self_attn = LlamaAttention(spec, attention_ops, dtype, ops)
-        self.post_attention_layernorm = RMSNorm(
-            spec.hidden_size, spec.rms_norm_eps, dtype, ops.rms_norm
-        )
+        spec = build.spec
+        self.input_layernorm = build.norm(spec.hidden_size)
+        self.self_attn = LlamaAttention(build)
+        self.post_attention_layernorm = build.norm(spec.hidden_size)
         self.mlp = GatedMLP(
-            spec.hidden_size, spec.intermediate_size, spec.mlp_bias, dtype, ops.silu_and_mul
+            spec.hidden_size,
+            spec.intermediate_size,
+            spec.mlp_bias,
+            build.dtype,
+            build.ops.silu_and_mul,
+            build.tp,
         )
 
     def forward(
@@ -181,16 +213,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
-    def __init__(
-        self, spec: DecoderSpec, attention_ops: AttentionOps, dtype: torch.dtype, ops: LayerOps
-    ) -> None:
+    def __init__(self, build: _Build) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype)
-        self.rotary_emb = RotaryEmbedding(spec.head_size, spec.max_position, spec.rope, dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, attention_ops, dtype, ops) for _ in range(spec.num_layers)
+        spec, dtype = build.spec, build.dtype
+        self.embed_tokens = VocabParallelEmbedding(
+            spec.vocab_size, spec.hidden_size, dtype, build.tp
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, ops.rms_norm)
+        self.rotary_emb = RotaryEmbedding(spec.head_size, spec.max_position, spec.rope, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(build) for _ in range(spec.num_layers))
+        self.norm = build.norm(spec.hidden_size)
 
     def forward(
         self,
@@ -211,6 +242,9 @@ class LlamaForCausalLM(nn.Module):
 
     Build it under ``torch.device(...)``; parameters are uninitialized until the loader fills
     them. ``op_overrides`` replaces the default ops by name (see ``platform_core.layers.ops``).
+    With a ``tp`` group of several ranks the model is this rank's shard: ``num_heads`` and
+    ``num_kv_heads`` are the rank's own, and every ``forward`` and ``compute_logits`` call is a
+    collective that all ranks of the group must make in the same order.
     """
 
     spec_switches: ClassVar[dict[str, bool]] = {}
@@ -221,20 +255,30 @@ class LlamaForCausalLM(nn.Module):
         attention_ops: AttentionOps,
         dtype: torch.dtype = torch.float32,
         op_overrides: dict[str, Callable[..., Any]] | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TPGroup.single()
         spec = DecoderSpec.from_hf(hf_config, **self.spec_switches)
+        spec.check_tensor_parallel(tp.size)
+        heads = spec.heads_of_rank(tp.rank, tp.size)
         self.spec = spec
+        self.tp = tp
         self.num_layers = spec.num_layers
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_size = spec.head_size
         self.vocab_size = spec.vocab_size
         self.max_position = spec.max_position
-        self.model = LlamaModel(spec, attention_ops, dtype, resolve_ops(op_overrides))
-        self.lm_head: Linear | None = None
+        self.model = LlamaModel(_Build(spec, attention_ops, dtype, resolve_ops(op_overrides), tp))
+        self.lm_head: VocabParallelEmbedding | None = None
         if not spec.tie_embeddings:
-            self.lm_head = Linear(spec.hidden_size, (spec.vocab_size,), False, dtype)
+            self.lm_head = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp)
+
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        """ConfigError unless ``hf_config``'s model can be split over ``size`` ranks."""
+        DecoderSpec.from_hf(hf_config, **cls.spec_switches).check_tensor_parallel(size)
 
     def forward(
         self,
@@ -243,13 +287,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` of the flattened batch; writes each layer's K/V."""
+        """Hidden states ``[T, hidden]`` of the flattened batch (full, on every rank); writes
+        each layer's K/V of this rank's KV heads."""
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32 logits."""
+        """``[N, hidden] -> [N, vocab]`` float32 logits of the full vocabulary, on every rank."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return logits_from_hidden(hidden, head.weight)
+        return head.logits(hidden)
 
     def is_ignored_weight(self, name: str) -> bool:
         """Checkpoint tensors that are present in some exports but carry nothing to load."""

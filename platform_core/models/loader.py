@@ -1,7 +1,9 @@
 """Builds a model on its device and fills it from ``*.safetensors`` files (never pickle).
 
-Each checkpoint tensor is read once and copied into its slot: either a whole parameter of the
-same name, or one part of a fused linear (``q_proj`` rows of ``qkv_proj``, ...). Any checkpoint
+Each checkpoint tensor has one slot: the parameter it fills and its placement there (a whole
+parameter of the same name, one part of a fused linear such as the ``q_proj`` rows of
+``qkv_proj``, and under tensor parallelism only this rank's rows or columns). Only the slot's
+part of the tensor is read from the file, after checking the tensor's full shape. Any checkpoint
 tensor with no slot, any slot left unfilled, or a shape mismatch is a ModelLoadError naming it.
 """
 
@@ -18,7 +20,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from platform_core.distributed.parallel_state import TPGroup
 from platform_core.errors import ConfigError, ModelLoadError
+from platform_core.layers.sharding import Placement, whole_placement
 from platform_core.models.registry import CausalLM, get_model_class
 from platform_core.plugins.interfaces import AttentionOps
 
@@ -48,26 +52,30 @@ def load_model(
     device: torch.device,
     attention_ops: AttentionOps,
     op_overrides: dict[str, Callable[..., Any]] | None = None,
+    tp: TPGroup | None = None,
 ) -> CausalLM:
-    """Build ``hf_config``'s architecture on ``device`` in ``dtype`` and load its weights."""
+    """Build ``hf_config``'s architecture on ``device`` in ``dtype`` and load its weights.
+
+    With a ``tp`` group of several ranks, builds and loads this rank's shard only.
+    """
     model_cls = get_model_class(hf_config)
     with torch.device(device):
-        model = model_cls(hf_config, attention_ops, dtype, op_overrides)
+        model = model_cls(hf_config, attention_ops, dtype, op_overrides, tp)
     load_weights(model, Path(model_dir))
     return model.eval()
 
 
 @dataclass(frozen=True, slots=True)
 class _Slot:
-    """Rows ``[start, start + length)`` of ``param`` that one checkpoint tensor fills."""
+    """The parameter one checkpoint tensor fills, and which part of the tensor goes where."""
 
     param: nn.Parameter
-    start: int
-    length: int
+    placement: Placement
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.length, *self.param.shape[1:])
+        """The full shape the checkpoint tensor must have."""
+        return self.placement.checkpoint_shape(self.param)
 
 
 def load_weights(model: nn.Module, model_dir: Path) -> None:
@@ -75,18 +83,18 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     slots = _checkpoint_slots(model)
     is_ignored = getattr(model, "is_ignored_weight", lambda _name: False)
     filled: set[str] = set()
-    for name, tensor in _read_tensors(model_dir):
+    for name, handle in _checkpoint_tensors(model_dir):
         slot = slots.get(name)
         if slot is None:
             if is_ignored(name):
                 continue
             raise ModelLoadError(f"unexpected weight {name!r} in {model_dir}")
-        if tuple(tensor.shape) != slot.shape:
-            raise ModelLoadError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {slot.shape}"
-            )
+        shape = tuple(handle.get_shape())
+        if shape != slot.shape:
+            raise ModelLoadError(f"weight {name!r} has shape {shape}, expected {slot.shape}")
+        placement = slot.placement
         with torch.no_grad():
-            slot.param[slot.start : slot.start + slot.length].copy_(tensor)
+            placement.destination(slot.param).copy_(handle[placement.source_index()])
         filled.add(name)
     missing = sorted(set(slots) - filled)
     if missing:
@@ -96,25 +104,31 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
 
 
 def _checkpoint_slots(model: nn.Module) -> dict[str, _Slot]:
-    """Checkpoint tensor name -> where it goes, from the model's module names and fused parts."""
+    """Checkpoint tensor name -> its slot, from the model's module names, fused parts and the
+    placements sharded layers declare."""
     slots: dict[str, _Slot] = {}
     for module_name, module in model.named_modules():
         parts = getattr(module, "checkpoint_parts", ())
-        sizes = getattr(module, "output_sizes", ())
+        parent = module_name.rpartition(".")[0]
         for param_name, param in module.named_parameters(recurse=False):
-            if not parts:
-                slots[f"{module_name}.{param_name}"] = _Slot(param, 0, param.shape[0])
-                continue
-            parent = module_name.rpartition(".")[0]
-            start = 0
-            for part, size in zip(parts, sizes, strict=True):
-                slots[f"{parent}.{part}.{param_name}".lstrip(".")] = _Slot(param, start, size)
-                start += size
+            names = [f"{parent}.{part}.{param_name}".lstrip(".") for part in parts]
+            placements = (
+                module.placements(param_name)
+                if hasattr(module, "placements")
+                else (whole_placement(param),)
+            )
+            for name, placement in zip(
+                names or [f"{module_name}.{param_name}"], placements, strict=True
+            ):
+                slots[name] = _Slot(param, placement)
     return slots
 
 
-def _read_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, each read once, in file order (with a progress bar)."""
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    """A lazy slice handle of every checkpoint tensor, in file order (with a progress bar).
+
+    A handle reads nothing until indexed; its ``get_shape()`` is the full shape.
+    """
     files = _safetensors_files(model_dir)
     with tqdm(desc="loading weights", unit="tensor", leave=False, disable=None) as progress:
         for path in files:
@@ -122,7 +136,7 @@ def _read_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 names = list(f.keys())
                 progress.total = (progress.total or 0) + len(names)
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
                     progress.update(1)
 
 

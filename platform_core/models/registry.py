@@ -28,9 +28,15 @@ _MODELS: dict[str, tuple[str, str]] = {
 class CausalLM(Protocol):
     """A decoder-only language model over a flattened batch and a paged KV cache.
 
-    Constructed as ``cls(hf_config, attention_ops, dtype, op_overrides)`` (see the loader).
+    Constructed as ``cls(hf_config, attention_ops, dtype, op_overrides, tp)`` (see the loader),
+    where ``tp`` is a :class:`~platform_core.distributed.parallel_state.TPGroup` or None.
     ``forward`` writes each layer's K/V into ``kv_caches[layer]`` through the attention ops and
     returns the final hidden states; ``compute_logits`` projects selected rows to the vocabulary.
+
+    Under tensor parallelism the model is one rank's shard: ``num_heads`` and ``num_kv_heads``
+    are this rank's (its KV cache holds only those heads), the rest are the model's. Both
+    ``forward`` and ``compute_logits`` are collectives every rank must call in the same order;
+    each returns the full result (hidden states, full-vocabulary logits) on every rank.
     """
 
     num_layers: int
@@ -55,6 +61,10 @@ class CausalLM(Protocol):
     def is_ignored_weight(self, name: str) -> bool:
         """Whether a checkpoint tensor of this name is skipped rather than reported."""
 
+    @classmethod
+    def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:
+        """Raise ConfigError unless ``hf_config``'s model can be split over ``size`` ranks."""
+
 
 def supported_architectures() -> tuple[str, ...]:
     """HF architecture names that can be loaded."""
@@ -76,3 +86,9 @@ def get_model_class(hf_config: Any) -> type:
         )
     module_name, class_name = entry
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def check_tensor_parallel(hf_config: Any, size: int) -> None:
+    """ConfigError unless ``hf_config``'s model splits over ``size`` tensor-parallel ranks
+    (head counts, intermediate size); cheap, builds nothing, so callers check before spawning."""
+    get_model_class(hf_config).check_tensor_parallel(hf_config, size)

@@ -1,0 +1,95 @@
+"""Run a check on every rank of a loopback gloo group, in spawned processes (test helper).
+
+``run_ranks(world_size, check)`` starts ``world_size`` processes; each joins the default group
+and calls ``check(communicator)``. ``check`` must be picklable (a module-level function, or a
+``functools.partial`` of one). A rank reports ``None`` or its traceback through a queue; the
+parent bounds the whole run by a deadline, terminates ranks that hang once another has failed,
+and fails with every reported traceback. Each rank gets an equal share of the CPU cores as
+intra-op threads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from platform_core.distributed.communicator import Communicator, TorchDistributedCommunicator
+from platform_core.distributed.launch import (
+    LoopbackGroupConfig,
+    find_free_port,
+    init_loopback_process_group,
+)
+
+RankCheck = Callable[[Communicator], None]
+
+
+def _rank_main(config: LoopbackGroupConfig, rank: int, check: RankCheck, results: mp.Queue) -> None:
+    """Child entry point: join the group, run ``check``, report ``(rank, traceback or None)``."""
+    error = None
+    try:
+        # ranks share the machine's cores; oversubscribed intra-op threads slow each one down
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+        init_loopback_process_group(config, rank)
+        check(TorchDistributedCommunicator())
+    except BaseException:
+        error = traceback.format_exc()
+    finally:
+        results.put((rank, error))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _collect(procs: list, results: mp.Queue, deadline: float) -> dict[int, str | None]:
+    """Reports until every rank has reported, one has failed, one died silently, or time is up."""
+    reports: dict[int, str | None] = {}
+    while len(reports) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, error = results.get(timeout=0.2)
+        except queue.Empty:
+            if any(not p.is_alive() and r not in reports for r, p in enumerate(procs)):
+                time.sleep(1.0)  # a dead rank's report may still be in flight
+                while not results.empty():
+                    rank, error = results.get()
+                    reports[rank] = error
+                return reports
+            continue
+        reports[rank] = error
+        if error is not None:
+            return reports  # the others may now wait forever on the failed rank
+    return reports
+
+
+def run_ranks(world_size: int, check: RankCheck, timeout_s: float = 60.0) -> None:
+    """Run ``check`` on ``world_size`` spawned ranks; AssertionError with any rank's traceback,
+    or naming the ranks that hung or died without reporting."""
+    ctx = mp.get_context("spawn")
+    config = LoopbackGroupConfig(world_size, find_free_port(), timeout_s=timeout_s / 2)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(config, rank, check, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    reports: dict[int, str | None] = {}
+    try:
+        reports = _collect(procs, results, time.monotonic() + timeout_s)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(reports) == world_size else 0.1)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+    failed = {rank: error for rank, error in reports.items() if error is not None}
+    assert not failed, "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(failed.items()))
+    silent = sorted(set(range(world_size)) - reports.keys())
+    codes = {rank: procs[rank].exitcode for rank in silent}
+    assert not silent, f"ranks {silent} hung or died without reporting (exit codes {codes})"
+    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
