@@ -69,7 +69,9 @@ class MultiprocExecutor(LockstepExecutor):
         for rank in range(1, group.world_size):
             parent, child = context.Pipe()
             proc = context.Process(
-                target=_worker_main, args=(spec, group, rank, child), daemon=True,
+                target=_worker_main,
+                args=(spec, group, rank, child),
+                daemon=True,
                 name=f"platform-core-rank{rank}",
             )
             proc.start()
@@ -82,8 +84,11 @@ class MultiprocExecutor(LockstepExecutor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (driver + %d worker processes)",
-                    group.world_size, len(self._procs))
+        logger.info(
+            "tensor parallel: %d ranks (driver + %d worker processes)",
+            group.world_size,
+            len(self._procs),
+        )
 
     def _send(self, method: str, args: tuple[Any, ...]) -> None:
         for conn, proc in zip(self._conns, self._procs):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from platform_core.distributed.launch import LoopbackGroupConfig, init_loopback_process_group
 from platform_core.executor.base import ModelSpec
 from platform_core.plugins.manager import PluginManager
@@ -17,6 +21,9 @@ def build_rank_runner(spec: ModelSpec, group: LoopbackGroupConfig, rank: int) ->
     from platform_core.distributed.parallel_state import TPGroup
 
     backend = PluginManager().create(spec.config)
+    if backend.device.type == "cpu":
+        # Ranks share the machine's cores; oversubscribing them slows every matmul.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     init_loopback_process_group(group, rank, backend.process_group_backend)
     tp = TPGroup(rank=rank, size=group.world_size, communicator=backend.communicator(None))
     return ModelRunner(

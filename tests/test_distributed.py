@@ -1,0 +1,94 @@
+"""Tensor parallelism through the executors: same tokens as one rank; dead workers fail fast."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from platform_core import LLM, SamplingParams
+from platform_core.executor.base import WorkerDiedError
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def prompts(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 256) for _ in range(40)]
+    lengths = (1, 7, 33, 90)
+    plain = [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
+    return [{"prompt_token_ids": p} for p in [*plain, shared + [5], shared + [6, 7]]]
+
+
+def tokens(llm: LLM, batch: list[dict]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(batch, PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_multiprocess_equals_one_rank(tiny_model_dir, arch):
+    model = str(tiny_model_dir(arch))
+    batch = prompts()
+    expected = tokens(LLM(model, dtype="float32"), batch)
+    with LLM(
+        model,
+        dtype="float32",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=32,  # chunked prefill
+        enable_prefix_caching=True,
+    ) as tp:
+        assert tokens(tp, batch) == expected
+        assert tp.stats()["prefix_cache_hit_tokens"] > 0
+        assert tp.engine.runner.model.num_heads == 2  # this rank holds half the heads
+
+
+def test_tp2_on_ray_equals_one_rank_and_leaves_nothing(tiny_model_dir):
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'platform-core[ray]')")
+    model = str(tiny_model_dir("llama"))
+    batch = prompts(1)
+    expected = tokens(LLM(model, dtype="float32"), batch)
+    tp = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        assert tokens(tp, batch) == expected
+        worker_pids = tp.engine.executor.worker_pids
+    finally:
+        tp.shutdown()
+    import ray
+
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in worker_pids), "a Ray worker outlived shutdown"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_killed_worker_fails_requests_quickly(tiny_model_dir):
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="float32",
+        tensor_parallel_size=2,
+        worker_timeout_s=10,
+    )
+    try:
+        worker = llm.engine.executor._procs[0]
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, params, use_tqdm=False)
+        assert time.monotonic() - started < 15
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.stats()["kv_blocks_used"] == 0
+    finally:
+        llm.shutdown()
