@@ -72,11 +72,16 @@ class CacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Continuous-batching limits and the per-step token budget."""
+    """Continuous-batching limits, the per-step token budget, and the waiting-queue bound.
+
+    ``max_waiting_requests`` bounds the queue of requests not yet running (``None``: unbounded);
+    beyond it new requests are refused with ``QueueFullError`` (HTTP 503 with Retry-After).
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

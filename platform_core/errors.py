@@ -36,3 +36,11 @@ class UnsupportedByBackendError(BackendError):
 
 class ModelLoadError(PlatformCoreError, RuntimeError):
     """A model could not be located or loaded."""
+
+
+class QueueFullError(PlatformCoreError, RuntimeError):
+    """The waiting queue is at its limit; the caller should retry later (HTTP 503)."""
+
+
+class EngineDeadError(PlatformCoreError, RuntimeError):
+    """The engine hit an unrecoverable error and serves no more requests."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from platform_core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+_INT64 = 2**63
 
 
 def _check(ok: bool, name: str, valid: str, value: object) -> None:
@@ -80,13 +81,18 @@ class SamplingParams:
         )
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            _is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k < _INT64),
             "top_k",
             "-1 or 0 (disabled) or an integer >= 1",
             self.top_k,
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
-        _check(self.seed is None or _is_int(self.seed), "seed", "None or an integer", self.seed)
+        _check(
+            self.seed is None or (_is_int(self.seed) and abs(self.seed) < _INT64),
+            "seed",
+            "None or an integer in (-2**63, 2**63)",
+            self.seed,
+        )
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             "max_tokens",

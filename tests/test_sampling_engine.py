@@ -136,3 +136,19 @@ def test_min_tokens_and_stop_token_ids(llama):
     held = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first_token], min_tokens=3)
     out = llama.generate({"prompt_token_ids": [11, 12]}, held, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) >= 3 and first_token not in out.token_ids[:3]
+
+
+def test_forks_that_finish_on_their_first_token(llama):
+    params = SamplingParams(temperature=1.0, n=3, max_tokens=1, seed=1)
+    out = llama.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0]
+    assert [len(o.token_ids) for o in out.outputs] == [1, 1, 1]
+    assert all(o.finish_reason == "length" for o in out.outputs)
+    assert llama.stats()["kv_blocks_used"] == 0
+
+
+def test_length_limit_wins_over_min_tokens(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", max_model_len=40)
+    params = SamplingParams(temperature=0.0, max_tokens=100, min_tokens=100)
+    out = llm.generate({"prompt_token_ids": list(range(3, 33))}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 10  # the context is full at 40 tokens
+    assert out.outputs[0].finish_reason == "length"

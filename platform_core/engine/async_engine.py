@@ -1,10 +1,11 @@
 """The engine loop on its own thread, driven from asyncio: ``AsyncEngine``.
 
-The event loop side validates nothing and tokenizes everything (with its own copy of the
-tokenizer), then sends typed commands (``Submit``, ``Abort``, ``Shutdown``) through a thread-safe
-queue. The engine thread applies them between steps, steps while any request is unfinished, and
-sleeps on the queue when idle. Each step's outputs go back with one ``call_soon_threadsafe`` per
-event loop, into the asyncio queue of the ``RequestStream`` that submitted them.
+Callers tokenize on their side (``AsyncEngine.tokenizer`` is their own copy) and send typed
+commands (``Submit``, ``Abort``, ``Shutdown``) through a thread-safe queue. The engine thread
+applies them between steps (validating submissions: an ``InvalidRequestError`` goes back to the
+caller), steps while any request is unfinished, and sleeps on the queue when idle. Each step's
+outputs go back with one ``call_soon_threadsafe`` per event loop, into the asyncio queue of the
+``RequestStream`` that submitted them.
 
 Why a thread rather than a process: model steps spend their time in torch kernels, which release
 the GIL, so HTTP work and model steps overlap; the engine stays inspectable in-process (tests check
@@ -161,6 +162,10 @@ class AsyncEngine:
         with self._lock:
             self._stopped = reason
         self._fail_everything(reason)
+        try:
+            self.engine.shutdown()  # worker processes, if the executor has any
+        except Exception:  # stopping must not fail; the reason is logged
+            logger.exception("stopping the engine's executor failed")
 
     def _loop(self) -> None:
         while True:
@@ -178,11 +183,8 @@ class AsyncEngine:
                     results.append((command.sink, self._add(command)))
             if keep_going and self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    sink = (
-                        self._sinks.pop(output.request_id)
-                        if output.finished
-                        else (self._sinks.get(output.request_id))
-                    )
+                    find = self._sinks.pop if output.finished else self._sinks.get
+                    sink = find(output.request_id, None)
                     if sink is not None:
                         results.append((sink, output))
             self._stats = self.engine.stats()

@@ -12,9 +12,12 @@ from typing import Any
 
 from platform_core.config import EngineConfig
 from platform_core.engine.detokenizer import IncrementalDetokenizer
+from platform_core.engine.faults import FaultInjector
+from platform_core.engine.isolation import execute_isolated
 from platform_core.engine.outputs import RequestMetrics, RequestOutput
 from platform_core.engine.sequence_state import RequestState, SampleState
 from platform_core.engine.setup import build_engine_parts
+from platform_core.engine.validation import RequestLimits, validate_request
 from platform_core.errors import InvalidRequestError
 from platform_core.executor.base import WorkerDiedError
 from platform_core.sampling_params import SamplingParams
@@ -42,6 +45,14 @@ class LLMEngine:
         self.hf_config = parts.hf_config
         self.default_sampling = parts.default_sampling
         self.proposer = parts.proposer
+        self.limits = RequestLimits(
+            self.max_model_len,
+            self.vocab_size,
+            self.config.scheduler.max_num_seqs,
+            self.tokenizer is not None,
+        )
+        self.faults: FaultInjector | None = None  # tests set one to inject failures
+        self._deadlines: dict[str, float] = {}
         self._requests: dict[str, RequestState] = {}
         # sample id (a request id, or a fork's id) -> (its request, its sample index)
         self._samples: dict[str, tuple[RequestState, int]] = {}
@@ -67,8 +78,14 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        deadline: float | None = None,
     ) -> None:
-        """Validate and queue one request; raise ``InvalidRequestError`` if it cannot run."""
+        """Validate and queue one request.
+
+        Raises ``InvalidRequestError`` if it cannot run and ``QueueFullError`` when the waiting
+        queue is full. ``deadline`` (a ``time.monotonic()`` value) aborts the request with an
+        error once passed, wherever it is.
+        """
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if prompt_token_ids is None:
@@ -76,7 +93,7 @@ class LLMEngine:
                 raise InvalidRequestError("either a prompt or prompt_token_ids is required")
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = list(prompt_token_ids)
-        self._validate(prompt_token_ids, params)
+        validate_request(prompt_token_ids, params, self.limits)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.time() if arrival_time is None else arrival_time
@@ -97,6 +114,8 @@ class LLMEngine:
         self._samples[request_id] = (state, 0)
         for index, fork_id in enumerate(request.pending_fork_ids, start=1):
             self._samples[fork_id] = (state, index)
+        if deadline is not None:
+            self._deadlines[request_id] = deadline
 
     def _sample_state(self, request: Request, index: int) -> SampleState:
         params = request.sampling_params
@@ -107,59 +126,64 @@ class LLMEngine:
             )
         return SampleState(request, index, detokenizer)
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(prompt_token_ids)} tokens, but this model's context is "
-                f"{self.max_model_len} tokens (at least one must be left to generate)",
-                "prompt",
-            )
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}", "prompt"
-            )
-        params.validate_token_ids(self.vocab_size)
-        max_seqs = self.config.scheduler.max_num_seqs
-        if params.n > max_seqs:
-            raise InvalidRequestError(
-                f"n must be <= max_num_seqs ({max_seqs}), got {params.n}", "n"
-            )
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
-
     def abort_request(self, request_ids: list[str]) -> None:
         """Stop requests (and all their samples) now; blocks are freed. Unknown ids are ignored."""
         for request_id in request_ids:
-            state = self._requests.pop(request_id, None)
-            if state is None:
-                continue
-            sample_ids = [sid for sid, (s, _) in self._samples.items() if s is state]
-            self.scheduler.abort(sample_ids)
-            for sample_id in sample_ids:
-                del self._samples[sample_id]
+            state = self._requests.get(request_id)
+            if state is not None:
+                self.scheduler.abort(state.sample_ids)
+                self._forget(state)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, execute the model, then update and report requests."""
+        """One iteration: schedule, execute the model, then update and report requests.
+
+        A request whose step fails alone (bad input reaching the model, a failing processor) is
+        finished with an error and its blocks freed; the others go on. ``WorkerDiedError`` means
+        the engine is dead: every request fails and the error propagates.
+        """
+        outputs = self._expire_deadlines()
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            runner_output = ModelRunnerOutput()
-        else:
+        runner_output, failed = ModelRunnerOutput(), {}
+        if not scheduler_output.is_empty:
+            check = None if self.faults is None else self.faults.check
             try:
-                runner_output = self.executor.execute(scheduler_output)
+                runner_output, failed = execute_isolated(self.executor, scheduler_output, check)
             except WorkerDiedError:
                 self._fail_all("a model worker died")
                 raise
+        for sample_id, error in failed.items():
+            outputs += self._fail(sample_id, error)
         self.scheduler.update(scheduler_output, runner_output)
-        outputs = self._postprocess(runner_output)
+        outputs += self._postprocess(runner_output)
         if self.proposer is not None:
             self._propose_drafts()
+        return outputs
+
+    def _fail(
+        self, sample_id: str, error: str, status: RequestStatus = RequestStatus.FINISHED_ERROR
+    ) -> list[RequestOutput]:
+        """Finish the request owning ``sample_id`` with ``error``; its final output."""
+        found = self._samples.get(sample_id)
+        if found is None:
+            return []
+        state = found[0]
+        self.scheduler.abort(state.sample_ids, status)
+        self._forget(state)
+        logger.warning("request %s failed: %s", state.request_id, error)
+        return [state.output(error=error)]
+
+    def _expire_deadlines(self) -> list[RequestOutput]:
+        if not self._deadlines:
+            return []
+        now = time.monotonic()
+        expired = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
+        outputs = []
+        for request_id in expired:
+            outputs += self._fail(request_id, "deadline exceeded", RequestStatus.FINISHED_ABORTED)
         return outputs
 
     def _propose_drafts(self) -> None:
@@ -181,17 +205,24 @@ class LLMEngine:
         for request_id, (first, entries) in runner_output.prompt_logprobs.items():
             state, _ = self._samples[request_id]
             state.record_prompt_logprobs(first, entries, self.tokenizer)
+        outputs = []
         for sample_id in runner_output.sampled:
             found = self._samples.get(sample_id)
             if found is None:
                 continue
             state, index = found
-            sample = self._sample_of(state, index, sample_id)
-            stop = sample.absorb(runner_output.logprobs.get(sample_id, []), self.tokenizer)
+            try:
+                if self.faults is not None:
+                    self.faults.check("postprocess", [state.request_id])
+                sample = self._sample_of(state, index, sample_id)
+                stop = sample.absorb(runner_output.logprobs.get(sample_id, []), self.tokenizer)
+            except Exception as exc:  # one request's detokenization must not stop the others
+                touched.pop(state.request_id, None)
+                outputs += self._fail(sample_id, f"{type(exc).__name__}: {exc}")
+                continue
             if stop is not None:
                 self.scheduler.finish(sample_id, RequestStatus.FINISHED_STOPPED, stop)
             touched[state.request_id] = state
-        outputs = []
         for state in touched.values():
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
@@ -206,7 +237,8 @@ class LLMEngine:
         for sample in state.samples:
             if sample.index == index:
                 return sample
-        sample = self._sample_state(self.scheduler.requests[sample_id], index)
+        request = self.scheduler.requests.get(sample_id) or self.scheduler.new_forks[sample_id]
+        sample = self._sample_state(request, index)
         state.samples.append(sample)
         state.samples.sort(key=lambda s: s.index)
         return sample
@@ -214,8 +246,7 @@ class LLMEngine:
     def _fail_all(self, reason: str) -> None:
         """Finish every request with an error (the engine cannot continue)."""
         for state in list(self._requests.values()):
-            sample_ids = [sid for sid, (s, _) in self._samples.items() if s is state]
-            self.scheduler.abort(sample_ids, RequestStatus.FINISHED_ERROR)
+            self.scheduler.abort(state.sample_ids, RequestStatus.FINISHED_ERROR)
             self._forget(state)
         logger.error("all requests failed: %s", reason)
 
@@ -224,9 +255,10 @@ class LLMEngine:
         self.executor.shutdown()
 
     def _forget(self, state: RequestState) -> None:
-        del self._requests[state.request_id]
-        for sample in state.samples:
-            self._samples.pop(sample.request.request_id, None)
+        self._requests.pop(state.request_id, None)
+        self._deadlines.pop(state.request_id, None)
+        for sample_id in state.sample_ids:
+            self._samples.pop(sample_id, None)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

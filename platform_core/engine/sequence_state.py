@@ -117,6 +117,11 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
+    def sample_ids(self) -> list[str]:
+        """The request's id and the ids its forks get (``<id>#<index>``)."""
+        return [self.request_id, *(f"{self.request_id}#{i}" for i in range(1, self.params.n))]
+
+    @property
     def finished(self) -> bool:
         return len(self.samples) == self.params.n and all(
             s.request.status.finished for s in self.samples
@@ -130,8 +135,9 @@ class RequestState:
         for offset, entry in enumerate(entries):
             self.prompt_logprobs[first + offset] = to_position_logprobs(entry, tokenizer)
 
-    def output(self) -> RequestOutput:
-        finished = self.finished
+    def output(self, error: str | None = None) -> RequestOutput:
+        """The request as callers see it now; with ``error`` it is final and failed."""
+        finished = self.finished or error is not None
         first = self.samples[0].request
         self.metrics.num_cached_tokens = first.num_cached_tokens
         self.metrics.num_preemptions = sum(s.request.num_preemptions for s in self.samples)
@@ -144,4 +150,5 @@ class RequestState:
             metrics=self.metrics,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
+            error=error,
         )

@@ -124,9 +124,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     generation_config = load_generation_config(model_dir)
     eos_token_ids = eos_ids_of(hf_config, generation_config, tokenizer)
     dtype = dtype_from_config(hf_config, config.model.dtype)
-    executor = make_executor(
-        ModelSpec(config, model_dir, hf_config, dtype, eos_token_ids), backend
-    )
+    executor = make_executor(ModelSpec(config, model_dir, hf_config, dtype, eos_token_ids), backend)
     try:
         max_model_len = _max_model_len(config, hf_config)
         proposer = build_proposer(config, backend, dtype, executor.driver.model.vocab_size)

@@ -9,6 +9,7 @@ import sys
 from platform_core.entrypoints.chat_cli import add_chat_parser
 from platform_core.entrypoints.conformance_cli import add_conformance_parser
 from platform_core.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from platform_core.entrypoints.openai.cli import add_serve_parser
 from platform_core.errors import PlatformCoreError
 
 
@@ -88,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_chat_parser(commands)
     add_conformance_parser(commands)
+    add_serve_parser(commands)
 
     backends = commands.add_parser(
         "backends", help="list installed backends and why each is usable"

@@ -103,17 +103,19 @@ class Request:
         return 1 + len(self.pending_fork_ids)
 
     def check_stop(self) -> RequestStatus | None:
-        """The finished status the newest token causes, if any (records ``stop_reason``)."""
+        """The finished status the newest token causes, if any (records ``stop_reason``).
+
+        EOS and stop tokens count only once ``min_tokens`` are out; the length limit always does.
+        """
         last = self.output_token_ids[-1]
         params = self.sampling_params
-        if self.num_output_tokens < params.min_tokens:
-            return None
-        if not params.ignore_eos and last in self.eos_token_ids:
-            self.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if last in params.stop_token_ids:
-            self.stop_reason = last
-            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from platform_core.config import CacheConfig, SchedulerConfig
+from platform_core.errors import QueueFullError
 from platform_core.kv_cache.manager import KVCacheManager
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from platform_core.scheduler.request import Request, RequestStatus
@@ -48,6 +49,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._finished_ids: list[str] = []
         self._block_copies: list[tuple[int, int]] = []
+        # Fork children created by the last update (some may have finished in it already).
+        self.new_forks: dict[str, Request] = {}
 
     @property
     def num_unfinished(self) -> int:
@@ -61,6 +64,9 @@ class Scheduler:
         """Queue a new request (its id must be unused)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting (limit {limit})")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -187,6 +193,7 @@ class Scheduler:
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance the scheduled requests by the executed step; return those that finished."""
         finished: list[Request] = []
+        self.new_forks = {}
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -251,6 +258,7 @@ class Scheduler:
                 status=RequestStatus.RUNNING,
             )
             self.requests[child_id] = child
+            self.new_forks[child_id] = child
             copies = self.kv.fork(parent, child)
             if copies is None:  # no block for the copy: recompute this sample later
                 child.num_computed_tokens = 0

@@ -1,0 +1,118 @@
+"""Every error the server returns, in OpenAI's shape: ``{"error": {message, type, param, code}}``.
+
+Status codes: 400 invalid request (pydantic validation errors included, reshaped), 401 missing or
+wrong API key, 404 unknown model or route, 413 body too large, 503 engine not running, 500 only
+for a bug (logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from platform_core.engine.async_engine import EngineDeadError
+from platform_core.errors import InvalidRequestError, PlatformCoreError
+
+logger = logging.getLogger("platform_core.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class ModelNotFoundError(PlatformCoreError):
+    """The request names a model this server does not serve."""
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__(f"the model {model!r} does not exist; this server serves {served!r}")
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The OpenAI error object for ``status``."""
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def error_event(exc: Exception) -> str:
+    """A server-sent event carrying the error that ended a stream early."""
+    _, body = _classify(exc)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _classify(exc: Exception) -> tuple[int, dict[str, Any]]:
+    if isinstance(exc, InvalidRequestError):
+        return 400, error_body(400, str(exc), exc.param)
+    if isinstance(exc, ModelNotFoundError):
+        return 404, error_body(404, str(exc), "model", "model_not_found")
+    if isinstance(exc, EngineDeadError):
+        return 503, error_body(503, str(exc), code="engine_unavailable")
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return 500, error_body(500, "internal server error; see the server log")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        message = f"unsupported parameter {param!r}"
+    elif first.get("type") == "json_invalid":
+        message = f"the body is not valid JSON: {first.get('msg')}"
+    else:
+        message = f"{param or 'body'}: {first.get('msg')}"
+    more = len(errors) - 1
+    return message + (f" (and {more} more error{'s' * (more > 1)})" if more else ""), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map exceptions raised by routes (and by FastAPI itself) to OpenAI error responses."""
+
+    async def on_platform_error(request: Request, exc: Exception) -> JSONResponse:
+        status, body = _classify(exc)
+        return JSONResponse(body, status_code=status)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        status = exc.status_code
+        return JSONResponse(
+            error_body(status, str(exc.detail)), status_code=status, headers=exc.headers
+        )
+
+    app.add_exception_handler(PlatformCoreError, on_platform_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_platform_error)

@@ -1,0 +1,96 @@
+"""ASGI middleware of the server: API-key check and request body size limit.
+
+Both are plain ASGI (not ``BaseHTTPMiddleware``) so that streaming responses and client
+disconnects pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from platform_core.entrypoints.openai.errors import error_body
+
+# Paths that stay reachable without the API key (load balancers probe them).
+OPEN_PATHS = frozenset({"/health"})
+
+
+async def send_error(send: Send, status: int, message: str, code: str | None = None) -> None:
+    """Answer with an OpenAI error body straight from middleware."""
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """Every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # Constant-time comparison: the response time does not tell how much of a key matched.
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            await send_error(send, 401, "a valid API key is required", "invalid_api_key")
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reads the whole request body up front and answers 413 when it is over ``max_bytes``.
+
+    The app then reads the buffered body; later ``receive`` calls go to the server, so
+    disconnect detection still works.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        buffered: Message | None = {"type": "http.request", "body": b"".join(chunks)}
+
+        async def replay() -> Message:
+            nonlocal buffered
+            if buffered is None:
+                return await receive()
+            message, buffered = buffered, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        await send_error(
+            send, 413, f"the request body is larger than {self.max_bytes} bytes", "body_too_large"
+        )

@@ -1,0 +1,266 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests reject unknown fields: a typo or an unsupported OpenAI feature (``tools``, ``suffix``...)
+is a 400 that names the field rather than being silently ignored. Integers are bounded to int64,
+what JSON APIs and torch can carry. The ranges of sampling values are checked in one place,
+``SamplingParams``, when ``sampling_params`` builds it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from platform_core.errors import InvalidRequestError
+from platform_core.sampling_params import SamplingParams
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenIds = list[Int64]
+
+
+# Sampling fields that fall back to the model's generation-config defaults when left out.
+_DEFAULTABLE = (
+    "temperature",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "allowed_token_ids",
+)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    """``include_usage``: one last chunk with usage and no choices."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(_Request):
+    """Fields shared by completions and chat: OpenAI's names plus vLLM's sampling extras.
+
+    A field left unset takes the model's generation-config default, then ``SamplingParams``'s.
+    """
+
+    model: str | None = None
+    n: Int64 = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: Int64 = 0
+    skip_special_tokens: bool = True
+    allowed_token_ids: TokenIds | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, defaults: dict[str, Any], **values: Any) -> SamplingParams:
+        """``SamplingParams`` from the request; ``values`` (API-specific, mapped) override all.
+
+        Raises ``InvalidRequestError`` naming the offending field.
+        """
+        settings = dict(defaults)
+        for name in _DEFAULTABLE:
+            value = getattr(self, name)
+            if value is not None:
+                settings[name] = value
+        settings.update(
+            n=self.n,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            logit_bias=_token_bias(self.logit_bias),
+        )
+        settings.update(values)
+        return SamplingParams(**settings)
+
+
+def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    try:
+        return {int(token): bias for token, bias in (logit_bias or {}).items()}
+    except ValueError:
+        raise InvalidRequestError(
+            "logit_bias keys must be token ids (integers as strings)", "logit_bias"
+        ) from None
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: ``prompt`` is a string, strings, token ids, or lists of them."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: Int64 | None = None
+    logprobs: Int64 | None = None
+    echo: bool = False
+    best_of: Int64 | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    """One chat turn, passed to the model's chat template."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: TokenIds
+
+
+# ---------------------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    """Token counts of a response; ``cached_tokens`` were served from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, or (streaming) one chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

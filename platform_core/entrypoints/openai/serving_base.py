@@ -1,0 +1,216 @@
+"""What the completion and chat handlers share: model check, tokenizing, submitting prompts,
+reading outputs (with metrics and disconnect detection), per-choice deltas, SSE framing, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+
+from platform_core.engine.async_engine import AsyncEngine
+from platform_core.engine.outputs import CompletionOutput, RequestOutput
+from platform_core.engine.request_stream import GenerateRequest, RequestStream
+from platform_core.entrypoints.openai.errors import ModelNotFoundError, error_event
+from platform_core.entrypoints.openai.metrics import RequestTracker, ServerMetrics
+from platform_core.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from platform_core.errors import InvalidRequestError
+from platform_core.sampling_params import SamplingParams
+
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt, tokenized on the HTTP side; ``text`` is kept for echo when it was text."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class ServerContext:
+    """State every route shares: the engine, the served model's name, the metrics."""
+
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str | None) -> None:
+        """An absent model means the served one; any other name is a 404."""
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(model, self.model_name)
+
+    @property
+    def tokenizer(self) -> Any:
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no tokenizer; send token ids instead of text", "prompt"
+            )
+        return self.engine.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        bad = [t for t in token_ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids must be in [0, {self.engine.vocab_size}); got {bad[:5]}", "tokens"
+            )
+        return self.tokenizer.decode(token_ids)
+
+    async def submit(
+        self, request_id: str, prompts: list[Prompt], params: SamplingParams
+    ) -> RequestStream:
+        """Send every prompt to the engine as one group; ``request_id-i`` is prompt ``i``."""
+        for p in prompts:
+            # The engine lets min_tokens run past the context end (and then fails the whole
+            # batch), so refuse it here until the engine checks it itself.
+            room = self.engine.max_model_len - len(p.token_ids)
+            if 0 < room < params.min_tokens:
+                raise InvalidRequestError(
+                    f"min_tokens={params.min_tokens} does not fit: the prompt leaves room for "
+                    f"{room} tokens in the {self.engine.max_model_len}-token context",
+                    "min_tokens",
+                )
+        now = time.time()
+        return await self.engine.submit(
+            [
+                GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now)
+                for i, p in enumerate(prompts)
+            ]
+        )
+
+    async def tracked(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs, recorded in the metrics as they pass."""
+        trackers: dict[str, RequestTracker] = {}
+        async with aclosing(aiter(stream)) as outputs:
+            async for output in outputs:
+                tracker = trackers.get(output.request_id)
+                if tracker is None:
+                    tracker = trackers[output.request_id] = self.metrics.track()
+                tracker.observe(output)
+                yield output
+
+    async def final_outputs(
+        self, stream: RequestStream, request: Request
+    ) -> list[RequestOutput] | None:
+        """Each request's last output, in submission order; ``None`` if the client left."""
+
+        async def collect() -> list[RequestOutput]:
+            finals: dict[str, RequestOutput] = {}
+            async with aclosing(self.tracked(stream)) as outputs:
+                async for output in outputs:
+                    finals[output.request_id] = output
+            return [finals[r] for r in stream.request_ids]
+
+        return await unless_disconnected(collect(), request)
+
+
+def prompt_index(request_id: str) -> int:
+    """The prompt position encoded by ``ServerContext.submit``."""
+    return int(request_id.rsplit("-", 1)[1])
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def unless_disconnected(work: Awaitable[T], request: Request) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it (aborting its requests)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        finished = task.done()
+        if not finished:
+            task.cancel()
+    return task.result() if finished else None
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one choice gained since its previous chunk (``start``: index of its first new token)."""
+
+    index: int
+    text: str
+    start: int
+    completion: CompletionOutput
+    first: bool
+
+
+class DeltaTracker:
+    """Turns cumulative outputs into per-choice increments for streaming."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[int, int, bool]] = {}  # choice -> (chars, tokens, finished)
+
+    def deltas(self, first_index: int, output: RequestOutput) -> list[Delta]:
+        """Increments of ``output``'s samples; sample ``i`` is choice ``first_index + i``."""
+        deltas = []
+        for completion in output.outputs:
+            index = first_index + completion.index
+            sent = self._sent.get(index)
+            chars, tokens, done = sent or (0, 0, False)
+            if done:
+                continue
+            text = completion.text[chars:]
+            changed = text or len(completion.token_ids) > tokens or completion.finished
+            if sent is not None and not changed:
+                continue
+            deltas.append(Delta(index, text, tokens, completion, first=sent is None))
+            self._sent[index] = (
+                len(completion.text),
+                len(completion.token_ids),
+                completion.finished,
+            )
+        return deltas
+
+
+def usage(finals: list[RequestOutput]) -> UsageInfo:
+    """Token counts over a response's requests (a prompt counts once whatever ``n`` is)."""
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(o.num_cached_tokens for o in finals)
+        ),
+    )
+
+
+def event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Server-sent events: one ``data: {json}`` per chunk, an error event if the stream breaks,
+    then ``data: [DONE]``."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async with aclosing(chunks) as items:
+                async for chunk in items:
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+        except Exception as exc:  # the status line is sent already: report in-band
+            yield error_event(exc)
+        yield SSE_DONE
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+    )
