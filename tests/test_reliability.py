@@ -119,7 +119,7 @@ def test_abort_storm_leaks_nothing(tiny_model_dir):
     llm = LLM(
         str(tiny_model_dir("llama")),
         dtype="float32",
-        num_gpu_blocks_override=48,  # small: requests get preempted too
+        num_gpu_blocks_override=32,  # small: requests get preempted too
         max_num_batched_tokens=512,
         enable_prefix_caching=True,
     )
@@ -130,7 +130,7 @@ def test_abort_storm_leaks_nothing(tiny_model_dir):
     aborted = completed = 0
     for i in range(10_000):
         prompt = [rng.randrange(3, 60) for _ in range(rng.randrange(1, 40))]
-        params = SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 8), ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 40), ignore_eos=True)
         engine.add_request(f"s{i}", None, params, prompt_token_ids=prompt)
         live.append(f"s{i}")
         if rng.random() < 0.3:
@@ -151,8 +151,7 @@ def test_abort_storm_leaks_nothing(tiny_model_dir):
             states_seen.add(request.status)
         engine.abort_request([victim])
         aborted += 1
-    for output in run_all(engine).values():
-        completed += 1
+    completed += len(run_all(engine))
     assert aborted > 3000 and completed > 3000
     assert {RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED} <= states_seen
     assert llm.stats()["num_preemptions"] > 0

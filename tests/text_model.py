@@ -1,4 +1,4 @@
-"""A tiny seeded Llama with a real (tiny, trained) tokenizer and a ChatML template, for text tests."""
+"""A tiny seeded Llama with a real (tiny, trained) tokenizer and a ChatML template."""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ from platform_core.entrypoints.engine_args import add_engine_args, engine_config
 from platform_core.entrypoints.openai.cli import add_serve_parser
 from platform_core.errors import PlatformCoreError
 
+DEMO_PROMPT = "The capital of France is"
+
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from platform_core.entrypoints.llm import LLM
@@ -30,7 +32,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if v is not None
     }
     params = SamplingParams(**{**llm.engine.default_sampling, **overrides})
-    for prompt in args.prompt:
+    for prompt in args.prompt or [DEMO_PROMPT]:
         output = llm.generate(prompt, params, use_tqdm=False)[0]
         print(output.outputs[0].text, flush=True)
     return 0
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="complete one or more prompts and print them")
     generate.add_argument(
-        "--prompt", action="append", required=True, help="prompt text (repeatable)"
+        "--prompt", action="append", help=f"prompt text (repeatable; default {DEMO_PROMPT!r})"
     )
     generate.add_argument("--max-tokens", type=int, default=None)
     generate.add_argument("--temperature", type=float, default=None)
