@@ -102,6 +102,8 @@ class ParallelConfig:
     ``distributed_executor_backend``: ``"uni"`` (one process), ``"mp"`` (spawned workers on this
     machine), ``"ray"`` (Ray actors in a placement group), ``"auto"`` (``uni`` for one rank, else
     ``mp``). ``ray_address`` joins an existing cluster (``None`` starts a local one).
+    ``data_parallel_size`` replicas serve behind one server, routed ``least-loaded`` or by
+    ``prefix`` affinity.
     """
 
     tensor_parallel_size: int = 1
@@ -109,6 +111,7 @@ class ParallelConfig:
     distributed_executor_backend: str = "auto"
     ray_address: str | None = None
     worker_timeout_s: float = 60.0
+    data_parallel_routing: str = "least-loaded"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -118,6 +121,11 @@ class ParallelConfig:
             raise ConfigError(
                 f"distributed_executor_backend must be one of {_EXECUTORS}, "
                 f"got {self.distributed_executor_backend!r}"
+            )
+        if self.data_parallel_routing not in ("least-loaded", "prefix"):
+            raise ConfigError(
+                "data_parallel_routing must be 'least-loaded' or 'prefix', "
+                f"got {self.data_parallel_routing!r}"
             )
         if self.worker_timeout_s <= 0:
             raise ConfigError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")

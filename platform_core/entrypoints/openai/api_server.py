@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from platform_core import __version__
 from platform_core.engine.async_engine import AsyncEngine
+from platform_core.engine.data_parallel import DataParallelEngine
 from platform_core.entrypoints.openai.cli import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
 from platform_core.entrypoints.openai.errors import error_response, install_error_handlers
 from platform_core.entrypoints.openai.metrics import ServerMetrics
@@ -38,7 +39,7 @@ logger = logging.getLogger("platform_core.server")
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: AsyncEngine | DataParallelEngine,
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -127,7 +128,10 @@ def run_server(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     name = args.served_model_name or default_model_name(config.model.model)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    engine = AsyncEngine.from_config(config)
+    if config.parallel.data_parallel_size > 1:
+        engine = DataParallelEngine.from_config(config)
+    else:
+        engine = AsyncEngine.from_config(config)
     try:
         app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
         server = uvicorn.Server(
