@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from platform_core.bench.cli import add_bench_parser
 from platform_core.entrypoints.chat_cli import add_chat_parser
 from platform_core.entrypoints.conformance_cli import add_conformance_parser
 from platform_core.entrypoints.engine_args import add_engine_args, engine_config_from_args
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_parser(commands)
     add_conformance_parser(commands)
     add_serve_parser(commands)
+    add_bench_parser(commands)
 
     backends = commands.add_parser(
         "backends", help="list installed backends and why each is usable"

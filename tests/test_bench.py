@@ -1,0 +1,453 @@
+"""Benchmark instruments: workloads, metrics math, KV waste, and the three commands end to end.
+
+``bench serve`` runs against a fake OpenAI-compatible streaming server on 127.0.0.1 whose delays
+and chunking are known, so TTFT/ITL stamping and token counting are checked against them (as lower
+bounds only: wall-clock upper bounds would be flaky on a loaded machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from scheduler_sim import make_request, make_scheduler, run_step
+
+from platform_core.bench.cli import add_bench_parser
+from platform_core.bench.hooks import observe_calls
+from platform_core.bench.kv_waste import KVSample, KVWasteTracker, sample_kv
+from platform_core.bench.metrics import (
+    GoodputError,
+    RequestRecord,
+    meets_slo,
+    parse_goodput,
+    percentile,
+    serve_metrics,
+    summarize,
+)
+from platform_core.bench.serve import arrival_offsets
+from platform_core.bench.workloads import (
+    LengthRange,
+    TokenSpace,
+    WorkloadError,
+    load_jsonl,
+    random_requests,
+    shared_prefix_requests,
+)
+
+
+def run_cli(*argv: str) -> int:
+    """The ``bench`` command through a minimal parser, as the main CLI wires it."""
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+# ---------------------------------------------------------------------------- workloads
+def test_random_requests_are_seeded_and_within_ranges():
+    space = TokenSpace(10, 60, frozenset({20, 21}))
+    a = random_requests(50, LengthRange(3, 9), LengthRange(2, 5), space, seed=7)
+    assert a == random_requests(50, LengthRange(3, 9), LengthRange(2, 5), space, seed=7)
+    assert a != random_requests(50, LengthRange(3, 9), LengthRange(2, 5), space, seed=8)
+    lengths = {r.prompt_len for r in a}
+    assert lengths <= set(range(3, 10)) and len(lengths) > 3
+    assert {r.max_tokens for r in a} <= set(range(2, 6))
+    ids = {t for r in a for t in r.prompt_token_ids}
+    assert ids <= set(range(10, 60)) - {20, 21}
+
+
+def test_token_space_from_tokenizer_drops_special_and_padded_ids():
+    tokenizer = type("Tok", (), {"all_special_ids": [0, 1, 2], "__len__": lambda self: 40})()
+    space = TokenSpace.from_tokenizer(tokenizer, vocab_size=64)
+    assert space.candidates() == list(range(3, 40))
+    assert TokenSpace.from_tokenizer(None, 8).candidates() == list(range(8))
+
+
+def test_shared_prefix_is_shared_and_suffixes_unique():
+    space = TokenSpace(0, 1000)
+    requests = shared_prefix_requests(20, 12, 3, LengthRange(5, 5), space, seed=1)
+    prefix = requests[0].prompt_token_ids[:12]
+    assert all(r.prompt_token_ids[:12] == prefix and r.prompt_len == 15 for r in requests)
+    assert len({tuple(r.prompt_token_ids[12:]) for r in requests}) == 20
+    assert {r.max_tokens for r in requests} == {5}
+    # Two token ids cannot make three distinct one-token suffixes.
+    with pytest.raises(WorkloadError, match="unique"):
+        shared_prefix_requests(3, 4, 1, LengthRange(1, 1), TokenSpace(0, 2))
+
+
+@pytest.mark.parametrize("text", ["x", "9:3", "0", "1:b"])
+def test_length_range_rejects_bad_text(text):
+    with pytest.raises(WorkloadError):
+        LengthRange.parse(text)
+
+
+def test_length_range_and_token_space_parse():
+    assert LengthRange.parse("7") == LengthRange(7, 7)
+    assert LengthRange.parse("3:9") == LengthRange(3, 9)
+    assert TokenSpace.parse("5:9").candidates() == [5, 6, 7, 8]
+    with pytest.raises(WorkloadError):
+        TokenSpace.parse("12")
+    with pytest.raises(WorkloadError, match="no token ids"):
+        TokenSpace(4, 4).candidates()
+
+
+def test_jsonl_parsing(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text(
+        '{"prompt_token_ids": [5, 6, 7], "max_tokens": 4}\n'
+        "\n"
+        '{"prompt": "hello there", "max_tokens": 2, "comment": "ignored"}\n'
+    )
+    first, second = load_jsonl(path)
+    assert (first.prompt_token_ids, first.max_tokens, first.prompt) == ([5, 6, 7], 4, None)
+    assert first.as_prompt() == {"prompt_token_ids": [5, 6, 7]}
+    assert (second.prompt, second.max_tokens, second.prompt_len) == ("hello there", 2, None)
+    assert second.as_prompt() == "hello there"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "Expecting value"),
+        ('{"max_tokens": 3}', "'prompt_token_ids' or 'prompt'"),
+        ('{"prompt": "hi"}', "max_tokens"),
+        ('{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+        ('{"prompt_token_ids": [1, -2], "max_tokens": 3}', "non-negative"),
+        ('{"prompt_token_ids": [], "max_tokens": 3}', "non-empty list"),
+        ('{"prompt": "", "max_tokens": 3}', "non-empty string"),
+        ("[1, 2]", "JSON object"),
+    ],
+)
+def test_jsonl_errors_name_the_line(tmp_path, line, message):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": "ok", "max_tokens": 1}\n' + line + "\n")
+    with pytest.raises(WorkloadError, match=r"w\.jsonl:2") as info:
+        load_jsonl(path)
+    assert message in str(info.value)
+
+
+def test_jsonl_without_requests_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(WorkloadError, match="no requests"):
+        load_jsonl(path)
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_percentiles_interpolate_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 4.0
+    assert percentile(values, 50) == 2.5
+    assert percentile(values, 99) == pytest.approx(3.97)
+    stats = summarize(values, (10, 90))
+    assert stats == {"mean": 2.5, "median": 2.5, "p10": pytest.approx(1.3), "p90": 3.7}
+    assert summarize([], (99,)) == {"mean": None, "median": None, "p99": None}
+
+
+def test_tpot_excludes_the_first_token():
+    record = RequestRecord(True, output_len=11, ttft=0.5, latency=1.5)
+    assert record.tpot == pytest.approx(0.1)  # 1.0 s after the first token, 10 more tokens
+    assert RequestRecord(True, output_len=1, ttft=0.5, latency=0.5).tpot is None
+    assert RequestRecord(False, output_len=5, ttft=0.1, latency=1.0).tpot is None
+
+
+def test_goodput_counts_requests_within_every_slo():
+    slo = parse_goodput(["ttft:200", "tpot:50"])
+    assert slo == {"ttft": 200.0, "tpot": 50.0}
+    records = [
+        RequestRecord(True, 10, 5, ttft=0.1, latency=0.3),  # tpot 50 ms: good (inclusive)
+        RequestRecord(True, 10, 5, ttft=0.3, latency=0.4),  # ttft too slow
+        RequestRecord(True, 10, 5, ttft=0.1, latency=0.6),  # tpot 125 ms: too slow
+        RequestRecord(True, 10, 1, ttft=0.15, latency=0.15),  # one token: no tpot to miss
+        RequestRecord(False, error="boom"),
+    ]
+    assert [meets_slo(r, slo) for r in records] == [True, False, False, True, False]
+    metrics = serve_metrics(records, duration=2.0, percentiles=(50,), slo=slo)
+    assert metrics["good_requests"] == 2
+    assert metrics["goodput"] == 1.0
+    assert (metrics["completed"], metrics["failed"]) == (4, 1)
+    assert metrics["total_output_tokens"] == 16
+    assert metrics["output_throughput"] == 8.0
+    assert metrics["total_token_throughput"] == 28.0
+    assert metrics["request_throughput"] == 2.0
+    assert metrics["ttft_ms"]["median"] == pytest.approx(125.0)
+    assert metrics["tpot_ms"]["mean"] == pytest.approx((50 + 25 + 125) / 3)
+    assert metrics["errors"] == ["boom"]
+
+
+@pytest.mark.parametrize("bad", ["ttft", "speed:10", "ttft:abc", "tpot:0"])
+def test_goodput_rejects_bad_targets(bad):
+    with pytest.raises(GoodputError):
+        parse_goodput([bad])
+
+
+def test_poisson_arrivals_are_seeded_with_the_requested_rate():
+    assert arrival_offsets(5, math.inf) == [0.0] * 5
+    offsets = arrival_offsets(4000, 20.0, seed=3)
+    assert offsets == arrival_offsets(4000, 20.0, seed=3)
+    assert all(b > a for a, b in itertools.pairwise(offsets))
+    assert offsets[-1] / len(offsets) == pytest.approx(1 / 20.0, rel=0.05)
+
+
+# ---------------------------------------------------------------------------- KV waste, hooks
+def test_kv_waste_counts_shared_blocks_once():
+    scheduler = make_scheduler(block_size=4, prefix_caching=True)
+    prompt = list(range(10, 20))
+    scheduler.add_request(make_request("a", prompt, max_tokens=8))
+    run_step(scheduler)  # a: 10 computed tokens in 3 blocks
+    assert sample_kv(scheduler) == KVSample(allocated_slots=12, live_tokens=10)
+    scheduler.add_request(make_request("b", prompt[:8] + [90, 91], max_tokens=8))
+    run_step(scheduler)  # a: 11 computed; b: reuses a's two full blocks, computes 2 more
+    sample = sample_kv(scheduler)
+    assert scheduler.kv.pool.num_used_blocks == 4
+    assert (sample.allocated_slots, sample.live_tokens) == (16, 4 + 4 + 3 + 2)
+    assert sample.waste == pytest.approx(3 / 16)
+    tracker = KVWasteTracker()
+    tracker.record(scheduler)
+    tracker.record(make_scheduler())  # nothing allocated: not a sample
+    assert tracker.summary() == {
+        "kv_waste_mean": pytest.approx(3 / 16),
+        "kv_waste_max": pytest.approx(3 / 16),
+        "kv_waste_samples": 1,
+    }
+
+
+def test_observe_calls_reports_and_restores():
+    class Box:
+        def double(self, x):
+            return 2 * x
+
+    box = Box()
+    seen = []
+    with observe_calls(box, "double", lambda seconds, result: seen.append((seconds, result))):
+        assert box.double(4) == 8
+    assert "double" not in vars(box)
+    assert box.double(1) == 2
+    assert len(seen) == 1 and seen[0][1] == 8 and seen[0][0] >= 0
+
+
+# ---------------------------------------------------------------------------- offline commands
+ENGINE_FLAGS = ("--dtype", "float32", "--kv-cache-memory-bytes", str(4 << 20), "--block-size", "8")
+
+
+def test_bench_throughput_end_to_end(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    argv = ["--model", str(tiny_model_dir("llama")), *ENGINE_FLAGS]
+    argv += ["--num-prompts", "6", "--input-len", "4:20", "--output-len", "2:6"]
+    assert (
+        run_cli("throughput", *argv, "--num-warmup-requests", "1", "--save-result", str(out)) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "Output tokens/s" in printed and "KV waste mean" in printed
+    saved = json.loads(out.read_text())
+    expected = random_requests(6, LengthRange(4, 20), LengthRange(2, 6), TokenSpace(0, 256), 0)
+    result = saved["result"]
+    assert saved["benchmark"] == "throughput" and saved["settings"]["num_prompts"] == 6
+    assert saved["machine"]["cpu_count"] >= 1
+    assert result["num_requests"] == 6
+    assert result["prompt_tokens"] == sum(r.prompt_len for r in expected)
+    assert result["output_tokens"] == sum(r.max_tokens for r in expected)  # EOS ignored
+    assert result["requests_per_s"] == pytest.approx(6 / result["elapsed_s"])
+    total = result["prompt_tokens"] + result["output_tokens"]
+    assert result["total_tokens_per_s"] == pytest.approx(total / result["elapsed_s"])
+    assert 0.0 <= result["kv_waste_mean"] <= result["kv_waste_max"] < 1.0
+    assert result["kv_waste_samples"] >= max(r.max_tokens for r in expected) - 1
+
+
+def test_bench_throughput_shared_prefix_hits_the_cache(tiny_model_dir, tmp_path):
+    out = tmp_path / "sp.json"
+    argv = ["--model", str(tiny_model_dir("llama")), *ENGINE_FLAGS, "--workload", "shared-prefix"]
+    argv += ["--num-prompts", "4", "--prefix-len", "32", "--suffix-len", "3", "--output-len", "2"]
+    argv += ["--max-num-batched-tokens", "40", "--no-enable-chunked-prefill"]
+    assert run_cli("throughput", *argv, "--save-result", str(out)) == 0
+    result = json.loads(out.read_text())["result"]
+    # The first request computes the prefix alone (no room for a second whole prompt in the
+    # 40-token budget); the other three then reuse its 4 full blocks: 32 of their 35 tokens.
+    assert result["prefix_cache_hit_rate"] == pytest.approx(3 * 32 / (4 * 35))
+
+
+def test_bench_latency_end_to_end(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    argv = ["--model", str(tiny_model_dir("llama")), *ENGINE_FLAGS, "--batch-size", "2"]
+    argv += ["--input-len", "5", "--output-len", "3", "--num-iters-warmup", "1", "--num-iters", "4"]
+    assert run_cli("latency", *argv, "--save-result", str(out)) == 0
+    assert "P99 latency (s)" in capsys.readouterr().out
+    result = json.loads(out.read_text())["result"]
+    latencies = result["latencies_s"]
+    assert len(latencies) == 4
+    assert min(latencies) <= result["p10_s"] <= result["p50_s"] <= result["p99_s"]
+    assert result["p99_s"] <= max(latencies)
+    assert result["mean_s"] == pytest.approx(sum(latencies) / 4)
+
+
+def test_null_model_overhead(tiny_model_dir):
+    from platform_core.bench.overhead import PHASES, NullModel, build_null_llm, measure_overhead
+    from platform_core.sampling_params import SamplingParams
+
+    llm = build_null_llm(str(tiny_model_dir("llama")), max_running=4, max_len=64, block_size=8)
+    model = llm.engine.runner.model
+    assert isinstance(model, NullModel)
+    favourite = int(model.logits_row.argmax())
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [favourite] * 3
+    result = measure_overhead(llm, num_running=4, num_steps=3, prompt_len=8)
+    assert result["num_running"] == 4 and result["num_steps"] == 3
+    assert result["step_ms"]["mean"] > 0
+    assert all(result[f"{p}_ms_mean"] >= 0 for p in PHASES)
+    assert result["other_ms_mean"] > -1e-6
+    assert llm.stats()["num_running"] == 0  # measured requests were aborted
+
+
+# ---------------------------------------------------------------------------- serve
+FIRST_DELAY, GAP = 0.15, 0.02
+
+
+class FakeCompletions(BaseHTTPRequestHandler):
+    """Streams ``max_tokens`` tokens after known delays; the model name picks a behaviour.
+
+    ``pairs``: two tokens per chunk, usage in the last chunk. ``no-usage``: one token per chunk,
+    no usage. ``fail``: HTTP 500. Anything else: one token per chunk plus usage.
+    """
+
+    server: ThreadingHTTPServer
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        state = self.server.state
+        with state["lock"]:
+            state["bodies"].append(body)
+            state["active"] += 1
+            state["max_active"] = max(state["max_active"], state["active"])
+        try:
+            self._respond(body)
+        finally:
+            with state["lock"]:
+                state["active"] -= 1
+
+    def _send(self, payload):
+        data = payload if isinstance(payload, str) else json.dumps(payload)
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    def _respond(self, body):
+        if body["model"] == "fail":
+            self.send_response(500)
+            self.end_headers()
+            self.wfile.write(b"model exploded")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n, per_chunk = body["max_tokens"], 2 if body["model"] == "pairs" else 1
+        time.sleep(FIRST_DELAY)
+        for i in range(0, n, per_chunk):
+            if i:
+                time.sleep(GAP)
+            self._send({"choices": [{"index": 0, "text": "ab"[:per_chunk], "finish_reason": None}]})
+        self._send({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        if body["model"] != "no-usage":
+            prompt = body["prompt"]
+            prompt_len = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+            usage = {"prompt_tokens": prompt_len, "completion_tokens": n}
+            self._send({"choices": [], "usage": usage})
+        self._send("[DONE]")
+
+
+@pytest.fixture
+def fake_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
+    server.daemon_threads = True
+    server.state = {"lock": threading.Lock(), "bodies": [], "active": 0, "max_active": 0}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def serve_cli(server, tmp_path, model, *extra):
+    out = tmp_path / f"serve-{model}.json"
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    code = run_cli("serve", "--base-url", url, "--model", model, "--save-result", str(out), *extra)
+    return code, json.loads(out.read_text())["result"]
+
+
+def test_serve_streams_token_ids_and_times_tokens(fake_server, tmp_path, capsys):
+    workload = ["--token-id-range", "10:50", "--num-prompts", "5", "--input-len", "3:6"]
+    workload += ["--output-len", "6", "--max-concurrency", "2", "--goodput", "ttft:60000"]
+    code, result = serve_cli(fake_server, tmp_path, "plain", *workload)
+    assert code == 0
+    assert "Median TPOT (ms)" in capsys.readouterr().out
+    expected = random_requests(5, LengthRange(3, 6), LengthRange(6, 6), TokenSpace(10, 50), 0)
+    bodies = sorted(fake_server.state["bodies"], key=lambda b: b["prompt"])
+    assert bodies == sorted(
+        (
+            {
+                "model": "plain",
+                "prompt": r.prompt_token_ids,
+                "max_tokens": 6,
+                "temperature": 0.0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "ignore_eos": True,
+            }
+            for r in expected
+        ),
+        key=lambda b: b["prompt"],
+    )
+    assert fake_server.state["max_active"] <= 2
+    assert (result["completed"], result["failed"]) == (5, 0)
+    assert result["total_input_tokens"] == sum(r.prompt_len for r in expected)
+    assert result["total_output_tokens"] == 30
+    assert result["ttft_ms"]["mean"] >= FIRST_DELAY * 1000
+    assert result["itl_ms"]["median"] >= GAP * 1000 * 0.5
+    assert result["e2el_ms"]["mean"] >= result["ttft_ms"]["mean"]
+    assert result["good_requests"] == 5
+    assert result["goodput"] == pytest.approx(result["request_throughput"])
+
+
+def test_serve_counts_tokens_from_usage_then_chunks(fake_server, tmp_path):
+    workload = ["--token-id-range", "10:50", "--num-prompts", "2", "--output-len", "6"]
+    _, paired = serve_cli(fake_server, tmp_path, "pairs", *workload, "--goodput", "ttft:1")
+    assert paired["total_output_tokens"] == 12  # usage says 6 each, though only 3 chunks came
+    assert paired["good_requests"] == 0  # TTFT is at least FIRST_DELAY, far above 1 ms
+    # TPOT uses the usage count: (latency - ttft) / 5, while the 2 gaps per request are ITLs.
+    assert paired["tpot_ms"]["mean"] * 5 == pytest.approx(
+        paired["e2el_ms"]["mean"] - paired["ttft_ms"]["mean"]
+    )
+    _, counted = serve_cli(fake_server, tmp_path, "no-usage", *workload)
+    assert counted["total_output_tokens"] == 12  # six one-token chunks each
+    assert counted["total_input_tokens"] == 2 * 128  # the known prompt lengths
+
+
+def test_serve_text_prompts_and_failures(fake_server, tmp_path, capsys):
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text('{"prompt": "one two three", "max_tokens": 2}\n')
+    code, result = serve_cli(
+        fake_server, tmp_path, "plain", "--workload", "jsonl", "--dataset-path", str(dataset)
+    )
+    assert code == 0 and fake_server.state["bodies"][-1]["prompt"] == "one two three"
+    assert result["total_input_tokens"] == 3  # from the server's usage
+    code, result = serve_cli(
+        fake_server, tmp_path, "fail", "--token-id-range", "1:9", "--num-prompts", "3"
+    )
+    assert code == 1
+    assert (result["completed"], result["failed"]) == (0, 3)
+    assert result["errors"] == ["HTTP 500: model exploded"]
+    assert "error: HTTP 500" in capsys.readouterr().out
+
+
+def test_serve_random_workload_needs_a_vocabulary(tmp_path):
+    with pytest.raises(WorkloadError, match="--tokenizer or --token-id-range"):
+        run_cli("serve", "--model", "m", "--base-url", "http://127.0.0.1:9")
