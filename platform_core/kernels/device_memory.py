@@ -1,6 +1,6 @@
 """Memory profiling over a torch caching allocator, shared by the accelerator backends.
 
-The backend passes its device module (``torch.cuda`` on NVIDIA and ROCm, ``torch.xpu`` on Intel);
+The backend passes its device module (the CUDA one on NVIDIA and ROCm, the XPU one on Intel);
 this module never imports one, so the core stays device-free. Nothing here is a kernel; it lives
 beside the shared kernels because the GPU backends are separate distributions with no other
 common home.

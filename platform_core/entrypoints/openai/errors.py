@@ -1,7 +1,8 @@
 """Every error the server returns, in OpenAI's shape: ``{"error": {message, type, param, code}}``.
 
 Status codes: 400 invalid request (pydantic validation errors included, reshaped), 401 missing or
-wrong API key, 404 unknown model or route, 413 body too large, 503 engine not running, 500 only
+wrong API key, 404 unknown model or route, 408 the request's own ``timeout`` passed, 413 body too
+large, 503 engine not running or waiting queue full (the latter with ``Retry-After``), 500 only
 for a bug (logged with its traceback).
 """
 
@@ -17,15 +18,19 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from platform_core.engine.async_engine import EngineDeadError
-from platform_core.errors import InvalidRequestError, PlatformCoreError
+from platform_core.errors import InvalidRequestError, PlatformCoreError, QueueFullError
 
 logger = logging.getLogger("platform_core.server")
+
+# Seconds a client refused for back-pressure should wait; a queue slot frees within a few steps.
+RETRY_AFTER_SECONDS = 1
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable_error",
@@ -37,6 +42,13 @@ class ModelNotFoundError(PlatformCoreError):
 
     def __init__(self, model: str, served: str) -> None:
         super().__init__(f"the model {model!r} does not exist; this server serves {served!r}")
+
+
+class RequestTimeoutError(PlatformCoreError):
+    """The request's ``timeout`` passed before it finished; it has been aborted."""
+
+    def __init__(self) -> None:
+        super().__init__("the request did not finish within its timeout; it was aborted")
 
 
 def error_body(
@@ -66,6 +78,10 @@ def error_event(exc: Exception) -> str:
 
 
 def _classify(exc: Exception) -> tuple[int, dict[str, Any]]:
+    if isinstance(exc, QueueFullError):
+        return 503, error_body(503, str(exc), code="queue_full")
+    if isinstance(exc, RequestTimeoutError):
+        return 408, error_body(408, str(exc), "timeout", "deadline_exceeded")
     if isinstance(exc, InvalidRequestError):
         return 400, error_body(400, str(exc), exc.param)
     if isinstance(exc, ModelNotFoundError):
@@ -98,7 +114,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_platform_error(request: Request, exc: Exception) -> JSONResponse:
         status, body = _classify(exc)
-        return JSONResponse(body, status_code=status)
+        headers = None
+        if isinstance(exc, QueueFullError):
+            headers = {"retry-after": str(RETRY_AFTER_SECONDS)}
+        return JSONResponse(body, status_code=status, headers=headers)
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -8,6 +8,7 @@ what JSON APIs and torch can carry. The ranges of sampling values are checked in
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -72,10 +73,16 @@ class SamplingRequest(_Request):
     min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     allowed_token_ids: TokenIds | None = None
+    # Seconds the whole request may take, queueing included; past it the request is aborted.
+    timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def deadline(self) -> float | None:
+        """``timeout`` as a ``time.monotonic()`` deadline counted from now; ``None`` if unset."""
+        return None if self.timeout is None else time.monotonic() + self.timeout
 
     def sampling_params(self, defaults: dict[str, Any], **values: Any) -> SamplingParams:
         """``SamplingParams`` from the request; ``values`` (API-specific, mapped) override all.

@@ -18,7 +18,11 @@ from starlette.responses import StreamingResponse
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.outputs import CompletionOutput, RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream
-from platform_core.entrypoints.openai.errors import ModelNotFoundError, error_event
+from platform_core.entrypoints.openai.errors import (
+    ModelNotFoundError,
+    RequestTimeoutError,
+    error_event,
+)
 from platform_core.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from platform_core.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from platform_core.errors import InvalidRequestError
@@ -91,11 +95,21 @@ class ServerContext:
             ]
         )
 
-    async def tracked(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-        """The stream's outputs, recorded in the metrics as they pass."""
+    async def tracked(
+        self, stream: RequestStream, deadline: float | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs, recorded in the metrics as they pass.
+
+        Past ``deadline`` (``time.monotonic()`` seconds) the stream's requests are aborted and
+        ``RequestTimeoutError`` is raised.
+        """
         trackers: dict[str, RequestTracker] = {}
         async with aclosing(aiter(stream)) as outputs:
-            async for output in outputs:
+            while True:
+                try:
+                    output = await _before(deadline, anext(outputs))
+                except StopAsyncIteration:
+                    return
                 tracker = trackers.get(output.request_id)
                 if tracker is None:
                     tracker = trackers[output.request_id] = self.metrics.track()
@@ -103,18 +117,29 @@ class ServerContext:
                 yield output
 
     async def final_outputs(
-        self, stream: RequestStream, request: Request
+        self, stream: RequestStream, request: Request, deadline: float | None = None
     ) -> list[RequestOutput] | None:
         """Each request's last output, in submission order; ``None`` if the client left."""
 
         async def collect() -> list[RequestOutput]:
             finals: dict[str, RequestOutput] = {}
-            async with aclosing(self.tracked(stream)) as outputs:
+            async with aclosing(self.tracked(stream, deadline)) as outputs:
                 async for output in outputs:
                     finals[output.request_id] = output
             return [finals[r] for r in stream.request_ids]
 
         return await unless_disconnected(collect(), request)
+
+
+async def _before(deadline: float | None, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it at ``deadline`` (``time.monotonic()`` seconds)."""
+    if deadline is None:
+        return await work
+    try:
+        async with asyncio.timeout(deadline - time.monotonic()):
+            return await work
+    except TimeoutError:
+        raise RequestTimeoutError() from None
 
 
 def prompt_index(request_id: str) -> int:

@@ -68,6 +68,7 @@ class ChatServing:
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Render, tokenize, submit, then answer with JSON or an event stream."""
         ctx = self.ctx
+        deadline = body.deadline()
         ctx.check_model(body.model)
         prompt = Prompt(None, chat_prompt_ids(ctx, body.messages, body.add_generation_prompt))
         if body.top_logprobs is not None and not body.logprobs:
@@ -90,8 +91,8 @@ class ChatServing:
         response_id = new_id("chatcmpl")
         stream = await ctx.submit(response_id, [prompt], params)
         if body.stream:
-            return event_stream(self._chunks(response_id, body, stream))
-        finals = await ctx.final_outputs(stream, request)
+            return event_stream(self._chunks(response_id, body, stream, deadline))
+        finals = await ctx.final_outputs(stream, request, deadline)
         if finals is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
         final = finals[0]
@@ -115,12 +116,16 @@ class ChatServing:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _chunks(
-        self, response_id: str, body: ChatCompletionRequest, stream: RequestStream
+        self,
+        response_id: str,
+        body: ChatCompletionRequest,
+        stream: RequestStream,
+        deadline: float | None,
     ) -> AsyncIterator[ChatCompletionChunk]:
         ctx = self.ctx
         tracker = DeltaTracker()
         final: RequestOutput | None = None
-        async for output in ctx.tracked(stream):
+        async for output in ctx.tracked(stream, deadline):
             final = output
             choices = [
                 ChatStreamChoice(

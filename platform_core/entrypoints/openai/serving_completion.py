@@ -39,6 +39,7 @@ class CompletionServing:
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         """Validate, submit every prompt, then answer with JSON or an event stream."""
         ctx = self.ctx
+        deadline = body.deadline()
         ctx.check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequestError("best_of must be omitted or equal to n", "best_of")
@@ -56,8 +57,8 @@ class CompletionServing:
         response_id = new_id("cmpl")
         stream = await ctx.submit(response_id, prompts, params)
         if body.stream:
-            return event_stream(self._chunks(response_id, body, echoes, stream))
-        finals = await ctx.final_outputs(stream, request)
+            return event_stream(self._chunks(response_id, body, echoes, stream, deadline))
+        finals = await ctx.final_outputs(stream, request, deadline)
         if finals is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
         choices = []
@@ -97,12 +98,13 @@ class CompletionServing:
         body: CompletionRequest,
         echoes: list[str] | None,
         stream: RequestStream,
+        deadline: float | None,
     ) -> AsyncIterator[CompletionResponse]:
         ctx = self.ctx
         tracker = DeltaTracker()
         finals: dict[str, RequestOutput] = {}
         offsets: dict[int, int] = {}  # choice -> text offset of its next token
-        async for output in ctx.tracked(stream):
+        async for output in ctx.tracked(stream, deadline):
             finals[output.request_id] = output
             i = prompt_index(output.request_id)
             choices = []
