@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 from typing import Any
 
@@ -89,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from platform_core.bench.serve import ServeConfig, run_serve
 
     slo = parse_goodput(args.goodput or [])
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     tokens = None
     if args.tokenizer:
         from platform_core.models.hf_files import load_tokenizer
