@@ -42,5 +42,9 @@ class QueueFullError(PlatformCoreError, RuntimeError):
     """The waiting queue is at its limit; the caller should retry later (HTTP 503)."""
 
 
+class RequestFailedError(PlatformCoreError, RuntimeError):
+    """One request failed inside the engine (the others go on); the message says why."""
+
+
 class EngineDeadError(PlatformCoreError, RuntimeError):
     """The engine hit an unrecoverable error and serves no more requests."""

@@ -9,9 +9,9 @@ from server_utils import engine_config, engine_idle, wait_for
 from text_model import save_text_model
 
 from platform_core import LLM, SamplingParams
-from platform_core.engine.async_engine import AsyncEngine, EngineDeadError
+from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.request_stream import GenerateRequest
-from platform_core.errors import InvalidRequestError
+from platform_core.errors import EngineDeadError, InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[5 + i, 40, 17 + 3 * i, 99, 12] for i in range(8)]

@@ -31,14 +31,10 @@ from platform_core.config import EngineConfig
 from platform_core.engine.llm_engine import LLMEngine
 from platform_core.engine.outputs import RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream, StreamSink
-from platform_core.errors import PlatformCoreError
+from platform_core.errors import EngineDeadError
 from platform_core.sampling_params import SamplingParams
 
 logger = logging.getLogger("platform_core.engine")
-
-
-class EngineDeadError(PlatformCoreError, RuntimeError):
-    """The engine loop has stopped (it failed, or was shut down); no request can run."""
 
 
 @dataclass(slots=True)
@@ -207,7 +203,12 @@ class AsyncEngine:
         try:
             for r in command.requests:
                 self.engine.add_request(
-                    r.request_id, r.prompt, r.params, r.prompt_token_ids, r.arrival_time
+                    r.request_id,
+                    r.prompt,
+                    r.params,
+                    r.prompt_token_ids,
+                    r.arrival_time,
+                    deadline=r.deadline,
                 )
                 added.append(r.request_id)
         except Exception as exc:  # the caller gets the error; the loop goes on

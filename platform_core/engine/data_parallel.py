@@ -17,9 +17,10 @@ from contextlib import aclosing
 from typing import Any
 
 from platform_core.config import EngineConfig
-from platform_core.engine.async_engine import AsyncEngine, EngineDeadError
+from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.outputs import RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream
+from platform_core.errors import EngineDeadError
 from platform_core.sampling_params import SamplingParams
 
 AFFINITY_TOKENS = 64  # the prompt prefix that decides a replica under prefix affinity

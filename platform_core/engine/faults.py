@@ -17,9 +17,10 @@ class InjectedFault(RuntimeError):
 
 @dataclass
 class FaultInjector:
-    """Rules: request id -> stage at which that request fails."""
+    """Rules: request id -> stage at which that request fails; ``every`` fails all at a stage."""
 
     rules: dict[str, str] = field(default_factory=dict)
+    every: str | None = None
 
     def fail(self, request_id: str, stage: str) -> None:
         if stage not in STAGES:
@@ -28,5 +29,5 @@ class FaultInjector:
 
     def check(self, stage: str, request_ids: list[str]) -> None:
         for request_id in request_ids:
-            if self.rules.get(request_id) == stage:
+            if self.rules.get(request_id) == stage or self.every == stage:
                 raise InjectedFault(f"injected fault for {request_id} at {stage}")

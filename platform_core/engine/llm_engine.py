@@ -26,6 +26,8 @@ from platform_core.scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger("platform_core.engine")
 
+DEADLINE_EXCEEDED = "deadline exceeded"  # the error of a request aborted at its deadline
+
 
 class LLMEngine:
     """Owns the backend, model runner, scheduler and tokenizer of one model."""
@@ -183,7 +185,7 @@ class LLMEngine:
         expired = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
         outputs = []
         for request_id in expired:
-            outputs += self._fail(request_id, "deadline exceeded", RequestStatus.FINISHED_ABORTED)
+            outputs += self._fail(request_id, DEADLINE_EXCEEDED, RequestStatus.FINISHED_ABORTED)
         return outputs
 
     def _propose_drafts(self) -> None:

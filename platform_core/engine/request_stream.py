@@ -20,6 +20,7 @@ class GenerateRequest:
     params: SamplingParams
     prompt_token_ids: list[int] | None = None
     arrival_time: float = field(default_factory=time.time)
+    deadline: float | None = None  # time.monotonic() seconds; the engine aborts it after
 
 
 class StreamSink:

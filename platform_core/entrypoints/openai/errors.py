@@ -17,8 +17,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from platform_core.engine.async_engine import EngineDeadError
-from platform_core.errors import InvalidRequestError, PlatformCoreError, QueueFullError
+from platform_core.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    PlatformCoreError,
+    QueueFullError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger("platform_core.server")
 
@@ -88,6 +93,8 @@ def _classify(exc: Exception) -> tuple[int, dict[str, Any]]:
         return 404, error_body(404, str(exc), "model", "model_not_found")
     if isinstance(exc, EngineDeadError):
         return 503, error_body(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, RequestFailedError):
+        return 500, error_body(500, str(exc), code="request_failed")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return 500, error_body(500, "internal server error; see the server log")
 

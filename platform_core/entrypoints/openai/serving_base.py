@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
 from platform_core.engine.async_engine import AsyncEngine
+from platform_core.engine.llm_engine import DEADLINE_EXCEEDED
 from platform_core.engine.outputs import CompletionOutput, RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream
 from platform_core.entrypoints.openai.errors import (
@@ -25,7 +26,7 @@ from platform_core.entrypoints.openai.errors import (
 )
 from platform_core.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from platform_core.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
-from platform_core.errors import InvalidRequestError
+from platform_core.errors import InvalidRequestError, RequestFailedError
 from platform_core.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -74,12 +75,18 @@ class ServerContext:
         return self.tokenizer.decode(token_ids)
 
     async def submit(
-        self, request_id: str, prompts: list[Prompt], params: SamplingParams
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        deadline: float | None = None,
     ) -> RequestStream:
-        """Send every prompt to the engine as one group; ``request_id-i`` is prompt ``i``."""
+        """Send every prompt to the engine as one group; ``request_id-i`` is prompt ``i``.
+
+        ``deadline`` also reaches the engine, which aborts the requests wherever they are.
+        """
         for p in prompts:
-            # The engine lets min_tokens run past the context end (and then fails the whole
-            # batch), so refuse it here until the engine checks it itself.
+            # min_tokens beyond the context can never be met: refuse rather than cut short.
             room = self.engine.max_model_len - len(p.token_ids)
             if 0 < room < params.min_tokens:
                 raise InvalidRequestError(
@@ -90,7 +97,7 @@ class ServerContext:
         now = time.time()
         return await self.engine.submit(
             [
-                GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now)
+                GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now, deadline)
                 for i, p in enumerate(prompts)
             ]
         )
@@ -110,6 +117,10 @@ class ServerContext:
                     output = await _before(deadline, anext(outputs))
                 except StopAsyncIteration:
                     return
+                if output.error is not None:
+                    if output.error == DEADLINE_EXCEEDED:
+                        raise RequestTimeoutError()
+                    raise RequestFailedError(f"the request failed in the engine: {output.error}")
                 tracker = trackers.get(output.request_id)
                 if tracker is None:
                     tracker = trackers[output.request_id] = self.metrics.track()

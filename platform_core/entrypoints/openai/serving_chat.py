@@ -89,7 +89,7 @@ class ChatServing:
                 exc.param = "top_logprobs"
             raise
         response_id = new_id("chatcmpl")
-        stream = await ctx.submit(response_id, [prompt], params)
+        stream = await ctx.submit(response_id, [prompt], params, deadline)
         if body.stream:
             return event_stream(self._chunks(response_id, body, stream, deadline))
         finals = await ctx.final_outputs(stream, request, deadline)

@@ -55,7 +55,7 @@ class CompletionServing:
             prompt_logprobs=body.logprobs if body.echo else None,
         )
         response_id = new_id("cmpl")
-        stream = await ctx.submit(response_id, prompts, params)
+        stream = await ctx.submit(response_id, prompts, params, deadline)
         if body.stream:
             return event_stream(self._chunks(response_id, body, echoes, stream, deadline))
         finals = await ctx.final_outputs(stream, request, deadline)
