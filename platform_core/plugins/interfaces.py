@@ -123,7 +123,6 @@ class AttentionOps(ABC):
         ``[num_tokens, num_heads, head_size]`` in ``query``'s dtype.
         """
 
-
     def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks ``src[i] -> dst[i]`` (copy-on-write when a sequence forks).
 
