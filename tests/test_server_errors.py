@@ -146,9 +146,12 @@ def test_a_model_without_chat_template_answers_chat_with_400(model_dir, tmp_path
         engine.shutdown()
 
 
-def test_api_key_guards_every_route_but_health(engine):
+def test_api_key_guards_every_route_but_health_and_metrics(engine):
+    with live_server(engine, api_key="s3cret", guard_metrics=True) as url:
+        _assert_error(httpx.get(url + "/metrics"), 401)  # guarded on request
     with live_server(engine, api_key="s3cret") as url:
-        for path in ("/v1/models", "/metrics", "/version"):
+        assert httpx.get(url + "/metrics").status_code == 200  # open by default
+        for path in ("/v1/models", "/version"):
             _assert_error(httpx.get(url + path), 401)
             _assert_error(httpx.get(url + path, headers={"authorization": "Bearer wrong"}), 401)
             assert (

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: ``build_app`` (FastAPI routes) and ``run_server`` (uvicorn).
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-``/detokenize``, ``/health`` (always open), ``/version``, ``/metrics``. The engine runs on its own
-thread (``AsyncEngine``); this module only wires HTTP to it.
+``/detokenize``, ``/health`` (always open), ``/version``, ``/metrics`` (open unless guarded).
+The engine runs on its own thread (``AsyncEngine``); this module only wires HTTP to it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,11 @@ from platform_core.engine.data_parallel import DataParallelEngine
 from platform_core.entrypoints.openai.cli import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
 from platform_core.entrypoints.openai.errors import error_response, install_error_handlers
 from platform_core.entrypoints.openai.metrics import ServerMetrics
-from platform_core.entrypoints.openai.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from platform_core.entrypoints.openai.middleware import (
+    OPEN_PATHS,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+)
 from platform_core.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,10 +47,12 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    guard_metrics: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
-    With ``api_key`` every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
+    With ``api_key`` every route but ``/health`` and ``/metrics`` needs
+    ``Authorization: Bearer <api_key>``; ``guard_metrics`` guards ``/metrics`` too.
     The app does not own the engine: whoever created the engine shuts it down.
     """
     ctx = ServerContext(engine, served_model_name, ServerMetrics(engine))
@@ -110,7 +116,8 @@ def build_app(
     # Added last = outermost: the key is checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        open_paths = OPEN_PATHS - {"/metrics"} if guard_metrics else OPEN_PATHS
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     return app
 
 
@@ -133,7 +140,13 @@ def run_server(args: argparse.Namespace) -> int:
     else:
         engine = AsyncEngine.from_config(config)
     try:
-        app = build_app(engine, name, api_key=api_key, max_body_bytes=args.max_body_bytes)
+        app = build_app(
+            engine,
+            name,
+            api_key=api_key,
+            max_body_bytes=args.max_body_bytes,
+            guard_metrics=args.guard_metrics,
+        )
         server = uvicorn.Server(
             uvicorn.Config(
                 app,

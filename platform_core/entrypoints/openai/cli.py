@@ -25,6 +25,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     serve.add_argument(
+        "--guard-metrics",
+        action="store_true",
+        help="require the API key for /metrics too (by default it is open, like /health)",
+    )
+    serve.add_argument(
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on every route but /health "

@@ -13,8 +13,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from platform_core.entrypoints.openai.errors import error_body
 
-# Paths that stay reachable without the API key (load balancers probe them).
-OPEN_PATHS = frozenset({"/health"})
+# Paths reachable without the API key: load balancers probe /health, Prometheus scrapes /metrics
+# (unless the server is told to guard it too).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 async def send_error(send: Send, status: int, message: str, code: str | None = None) -> None:
@@ -28,14 +29,15 @@ async def send_error(send: Send, status: int, message: str, code: str | None = N
 
 
 class ApiKeyMiddleware:
-    """Every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``."""
+    """Every path but ``open_paths`` needs ``Authorization: Bearer <key>``."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.api_key = api_key.encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
