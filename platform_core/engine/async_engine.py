@@ -22,17 +22,18 @@ import logging
 import queue
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 from platform_core.config import EngineConfig
 from platform_core.engine.llm_engine import LLMEngine
-from platform_core.engine.outputs import RequestOutput
-from platform_core.engine.request_stream import GenerateRequest, RequestStream, StreamSink
+from platform_core.engine.request_stream import (
+    GenerateRequest,
+    RequestStream,
+    StreamSink,
+    SubmitFront,
+)
 from platform_core.errors import EngineDeadError
-from platform_core.sampling_params import SamplingParams
 
 logger = logging.getLogger("platform_core.engine")
 
@@ -60,7 +61,7 @@ class Shutdown:
 Command = Submit | Abort | Shutdown
 
 
-class AsyncEngine:
+class AsyncEngine(SubmitFront):
     """Runs an ``LLMEngine`` on a dedicated thread; ``generate`` streams its outputs.
 
     Thread ownership: after construction only the engine thread touches ``engine`` (reading its
@@ -113,19 +114,6 @@ class AsyncEngine:
             self.abort(ids)
             raise
         return RequestStream(ids, sink.queue, self.abort)
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        params: SamplingParams,
-        prompt_token_ids: list[int] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative outputs until it finishes; leaving early aborts it."""
-        stream = await self.submit([GenerateRequest(request_id, prompt, params, prompt_token_ids)])
-        async with aclosing(aiter(stream)) as outputs:
-            async for output in outputs:
-                yield output
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (from any thread); a no-op once the engine has stopped."""

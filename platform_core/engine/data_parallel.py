@@ -19,9 +19,8 @@ from typing import Any
 from platform_core.config import EngineConfig
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.outputs import RequestOutput
-from platform_core.engine.request_stream import GenerateRequest, RequestStream
+from platform_core.engine.request_stream import GenerateRequest, RequestStream, SubmitFront
 from platform_core.errors import EngineDeadError
-from platform_core.sampling_params import SamplingParams
 
 AFFINITY_TOKENS = 64  # the prompt prefix that decides a replica under prefix affinity
 AFFINITY_SLACK = 4  # how many more requests the preferred replica may hold than the idlest
@@ -47,7 +46,7 @@ class _RoutedStream:
             self._on_done()
 
 
-class DataParallelEngine:
+class DataParallelEngine(SubmitFront):
     """``len(replicas)`` async engines of the same model behind one interface."""
 
     def __init__(self, replicas: list[AsyncEngine], prefix_affinity: bool = False) -> None:
@@ -143,19 +142,6 @@ class DataParallelEngine:
             raise
         self.routed[index] += len(ids)
         return _RoutedStream(stream, done)
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt: str | None,
-        params: SamplingParams,
-        prompt_token_ids: list[int] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """As ``AsyncEngine.generate``, on the chosen replica."""
-        stream = await self.submit([GenerateRequest(request_id, prompt, params, prompt_token_ids)])
-        async with aclosing(aiter(stream)) as outputs:
-            async for output in outputs:
-                yield output
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

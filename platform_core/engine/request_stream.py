@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from platform_core.engine.outputs import RequestOutput
@@ -92,3 +93,23 @@ class RequestStream:
             if self._queue.empty():
                 return list(newest.values())
             item = self._queue.get_nowait()
+
+
+class SubmitFront:
+    """``generate`` for anything that can ``submit`` a group of requests (engines, routers)."""
+
+    async def submit(self, requests: list[GenerateRequest]) -> RequestStream:
+        raise NotImplementedError
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until it finishes; leaving early aborts it."""
+        stream = await self.submit([GenerateRequest(request_id, prompt, params, prompt_token_ids)])
+        async with aclosing(aiter(stream)) as outputs:
+            async for output in outputs:
+                yield output
