@@ -9,17 +9,14 @@ terminates any rank that hangs.
 from __future__ import annotations
 
 import ipaddress
-import multiprocessing as mp
 import os
-import queue
 import time
-import traceback
-from collections.abc import Callable
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+from multiproc import run_ranks
 
 from platform_core.distributed.communicator import Communicator, TorchDistributedCommunicator
 from platform_core.distributed.launch import (
@@ -191,79 +188,15 @@ def check_three_ranks_and_subgroup(comm: Communicator) -> None:
     comm.barrier()
 
 
-# ---------------------------------------------------------------- harness
-
-
-def _rank_main(
-    config: LoopbackGroupConfig,
-    rank: int,
-    check: Callable[[Communicator], None],
-    results: mp.Queue,
-) -> None:
-    """Child entry point: join the group, run ``check``, report ``(rank, traceback or None)``."""
-    error = None
-    try:
-        init_loopback_process_group(config, rank)
-        check(TorchDistributedCommunicator())
-    except BaseException:
-        error = traceback.format_exc()
-    finally:
-        results.put((rank, error))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_ranks(world_size: int, check: Callable[[Communicator], None]) -> None:
-    """Run ``check`` on ``world_size`` spawned ranks; fail with the first rank's traceback."""
-    ctx = mp.get_context("spawn")
-    config = LoopbackGroupConfig(world_size, find_free_port(), timeout_s=RUN_TIMEOUT_S / 2)
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank_main, args=(config, rank, check, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    reports: dict[int, str | None] = {}
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        while len(reports) < world_size and time.monotonic() < deadline:
-            try:
-                rank, error = results.get(timeout=0.2)
-            except queue.Empty:
-                if any(not p.is_alive() and r not in reports for r, p in enumerate(procs)):
-                    time.sleep(1.0)  # a dead rank's report may still be in flight
-                    while not results.empty():
-                        rank, error = results.get()
-                        reports[rank] = error
-                    break
-                continue
-            reports[rank] = error
-            if error is not None:
-                break  # the others may now wait forever on the failed rank
-    finally:
-        for proc in procs:
-            proc.join(timeout=5 if len(reports) == world_size else 0.1)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-    failed = {rank: error for rank, error in reports.items() if error is not None}
-    assert not failed, "\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(failed.items()))
-    silent = sorted(set(range(world_size)) - reports.keys())
-    codes = {rank: procs[rank].exitcode for rank in silent}
-    assert not silent, f"ranks {silent} hung or died without reporting (exit codes {codes})"
-    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
-
-
 # ---------------------------------------------------------------- tests
 
 
 def test_two_ranks_run_every_collective_exactly() -> None:
-    _run_ranks(2, check_two_ranks)
+    run_ranks(2, check_two_ranks, RUN_TIMEOUT_S)
 
 
 def test_three_ranks_and_a_subgroup_use_group_local_ranks() -> None:
-    _run_ranks(3, check_three_ranks_and_subgroup)
+    run_ranks(3, check_three_ranks_and_subgroup, RUN_TIMEOUT_S)
 
 
 def test_world_size_one_needs_no_process_group_and_returns_inputs() -> None:
