@@ -42,7 +42,11 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        # Llama-family tokenizers are byte-level BPE: the WordPiece-era "clean up spaces" pass
+        # would strip spaces before punctuation, so it is always off.
+        return AutoTokenizer.from_pretrained(
+            path, local_files_only=True, clean_up_tokenization_spaces=False
+        )
     except (OSError, ValueError, TypeError) as exc:
         logger.warning("no tokenizer found in %s; only token-id prompts will work", path)
         logger.debug("tokenizer load error: %s", exc)
