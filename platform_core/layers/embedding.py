@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
+from platform_core.layers.linear import LinearFn
 from platform_core.layers.sharding import Placement, Shard
 
 
@@ -21,7 +22,14 @@ class VocabParallelEmbedding(nn.Module):
     ``logits`` uses the table as the output projection (local logits, then an all-gather).
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, tp: TPGroup) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        tp: TPGroup,
+        linear: LinearFn = F.linear,
+    ) -> None:
         super().__init__()
         start, length, padded = tp.padded_shard_range(vocab_size)
         self.vocab_size = vocab_size
@@ -32,6 +40,7 @@ class VocabParallelEmbedding(nn.Module):
         with torch.no_grad():
             self.weight[length:].zero_()
         self._communicator = tp.communicator if tp.is_parallel else None
+        self._linear = linear
 
     def placements(self, param_name: str) -> tuple[Placement, ...]:
         """This rank's vocabulary rows fill the start of the table."""
@@ -52,7 +61,7 @@ class VocabParallelEmbedding(nn.Module):
 
         The matmul and the gather run in the model's dtype.
         """
-        logits = F.linear(hidden, self.weight)
+        logits = self._linear(hidden, self.weight, None)
         if self._communicator is not None:
             logits = self._communicator.all_gather(logits, dim=-1)[..., : self.vocab_size]
         return logits.float()

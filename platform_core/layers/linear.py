@@ -6,7 +6,7 @@ checkpoint tensor fills it; with a single rank the shards are whole and nothing 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,9 @@ from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.sharding import Placement, Shard
+
+# ``F.linear``'s signature: ``(x, weight, bias) -> x @ weight.T (+ bias)``.
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -36,6 +39,7 @@ class ColumnParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         checkpoint_parts: Sequence[str] = (),
+        linear: LinearFn = F.linear,
     ) -> None:
         super().__init__()
         if len(output_shards) != (len(checkpoint_parts) or 1):
@@ -46,6 +50,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(self.output_sizes)
         self.weight = _parameter(out, input_size, dtype=dtype)
         self.bias = _parameter(out, dtype=dtype) if bias else None
+        self._linear = linear
 
     def placements(self, param_name: str) -> tuple[Placement, ...]:
         """One row placement per part, stacked in order (weight and bias alike)."""
@@ -55,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
         return tuple(Placement(0, shard, start) for shard, start in zip(self.output_shards, starts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         parts = f", parts={self.checkpoint_parts}" if self.checkpoint_parts else ""
@@ -72,7 +77,13 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, tp: TPGroup
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        tp: TPGroup,
+        linear: LinearFn = F.linear,
     ) -> None:
         super().__init__()
         start, length = tp.shard_range(input_size)
@@ -80,6 +91,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _parameter(output_size, length, dtype=dtype)
         self.bias = _parameter(output_size, dtype=dtype) if bias else None
         self._communicator = tp.communicator if tp.is_parallel else None
+        self._linear = linear
 
     def placements(self, param_name: str) -> tuple[Placement, ...]:
         """The weight's input columns are sharded; the bias is replicated."""
@@ -89,8 +101,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._communicator is None:
-            return F.linear(x, self.weight, self.bias)
-        out = self._communicator.all_reduce(F.linear(x, self.weight))
+            return self._linear(x, self.weight, self.bias)
+        out = self._communicator.all_reduce(self._linear(x, self.weight, None))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.activation import SiluAndMulFn
-from platform_core.layers.linear import ColumnParallelLinear, RowParallelLinear
+from platform_core.layers.linear import ColumnParallelLinear, LinearFn, RowParallelLinear
 from platform_core.layers.sharding import Shard
 
 
@@ -26,13 +27,21 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype,
         act: SiluAndMulFn,
         tp: TPGroup,
+        linear: LinearFn = F.linear,
     ) -> None:
         super().__init__()
         shard = Shard(*tp.shard_range(intermediate_size, "intermediate_size"), intermediate_size)
         self.gate_up_proj = ColumnParallelLinear(
-            hidden_size, (shard, shard), bias, dtype, checkpoint_parts=("gate_proj", "up_proj")
+            hidden_size,
+            (shard, shard),
+            bias,
+            dtype,
+            checkpoint_parts=("gate_proj", "up_proj"),
+            linear=linear,
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, tp)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias, dtype, tp, linear=linear
+        )
         self._act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

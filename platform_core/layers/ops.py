@@ -5,6 +5,7 @@ Names and signatures:
 - ``"rms_norm"``: :data:`platform_core.layers.norm.RmsNormFn`
 - ``"rotary"``: :data:`platform_core.layers.rotary.RotaryFn`
 - ``"silu_and_mul"``: :data:`platform_core.layers.activation.SiluAndMulFn`
+- ``"linear"``: :data:`platform_core.layers.linear.LinearFn` (``F.linear``'s signature)
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch.nn.functional as F
+
 from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
+from platform_core.layers.linear import LinearFn
 from platform_core.layers.norm import RmsNormFn, rms_norm
 from platform_core.layers.rotary import RotaryFn, apply_rotary
 
 logger = logging.getLogger(__name__)
 
-OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul")
+OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,7 @@ class LayerOps:
     rms_norm: RmsNormFn = rms_norm
     rotary: RotaryFn = apply_rotary
     silu_and_mul: SiluAndMulFn = silu_and_mul
+    linear: LinearFn = F.linear
 
 
 def resolve_ops(overrides: Mapping[str, Callable[..., Any]] | None) -> LayerOps:

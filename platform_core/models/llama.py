@@ -146,8 +146,11 @@ class LlamaAttention(nn.Module):
             spec.qkv_bias,
             dtype,
             ("q_proj", "k_proj", "v_proj"),
+            linear=build.ops.linear,
         )
-        self.o_proj = RowParallelLinear(heads.q_rows.full, spec.hidden_size, spec.o_bias, dtype, tp)
+        self.o_proj = RowParallelLinear(
+            heads.q_rows.full, spec.hidden_size, spec.o_bias, dtype, tp, linear=build.ops.linear
+        )
         self.q_norm = build.norm(spec.head_size) if spec.qk_norm else None
         self.k_norm = build.norm(spec.head_size) if spec.qk_norm else None
         self._rotary = build.ops.rotary
@@ -195,6 +198,7 @@ class LlamaDecoderLayer(nn.Module):
             build.dtype,
             build.ops.silu_and_mul,
             build.tp,
+            build.ops.linear,
         )
 
     def forward(
@@ -217,7 +221,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         spec, dtype = build.spec, build.dtype
         self.embed_tokens = VocabParallelEmbedding(
-            spec.vocab_size, spec.hidden_size, dtype, build.tp
+            spec.vocab_size, spec.hidden_size, dtype, build.tp, build.ops.linear
         )
         self.rotary_emb = RotaryEmbedding(spec.head_size, spec.max_position, spec.rope, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(build) for _ in range(spec.num_layers))
@@ -270,10 +274,13 @@ class LlamaForCausalLM(nn.Module):
         self.head_size = spec.head_size
         self.vocab_size = spec.vocab_size
         self.max_position = spec.max_position
-        self.model = LlamaModel(_Build(spec, attention_ops, dtype, resolve_ops(op_overrides), tp))
+        ops = resolve_ops(op_overrides)
+        self.model = LlamaModel(_Build(spec, attention_ops, dtype, ops, tp))
         self.lm_head: VocabParallelEmbedding | None = None
         if not spec.tie_embeddings:
-            self.lm_head = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, dtype, tp)
+            self.lm_head = VocabParallelEmbedding(
+                spec.vocab_size, spec.hidden_size, dtype, tp, ops.linear
+            )
 
     @classmethod
     def check_tensor_parallel(cls, hf_config: Any, size: int) -> None:

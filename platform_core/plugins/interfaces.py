@@ -172,7 +172,8 @@ class Backend(ABC):
         """Wait for queued device work; a no-op on synchronous devices."""
 
     def op_overrides(self) -> dict[str, Callable[..., Any]]:
-        """Optional fused ops by name (``"rms_norm"``, ``"rotary"``, ``"silu_and_mul"``)."""
+        """Optional ops by name (``"rms_norm"``, ``"rotary"``, ``"silu_and_mul"``, ``"linear"``);
+        see ``platform_core.layers.ops`` for their signatures."""
         return {}
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:

@@ -62,6 +62,12 @@ class CpuBackend(Backend):
 
         return TorchDistributedCommunicator(group=group, device=self.device)
 
+    def op_overrides(self) -> dict[str, Any]:
+        """bf16 linears through weights pre-packed for oneDNN (other dtypes are unchanged)."""
+        from platform_core_cpu.linear import PackedLinear, packed_linear_available
+
+        return {"linear": PackedLinear()} if packed_linear_available() else {}
+
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
         if config.model.dtype != "float16":
             return []
