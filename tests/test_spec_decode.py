@@ -158,3 +158,21 @@ def test_draft_model_sampling_is_reproducible_with_a_seed(tiny_model_dir):
     first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == first
     assert llm.stats()["spec_proposed_tokens"] > 0
+
+
+def test_speculation_counters_reach_the_bench_result(tiny_model_dir):
+    from platform_core.bench.throughput import run_throughput
+    from platform_core.bench.workloads import BenchRequest
+
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="float32",
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    motif = prompts_with_and_without_repetition()[2]
+    result = run_throughput(llm, [BenchRequest(prompt_token_ids=motif, max_tokens=20)] * 2)
+    assert result.spec_proposed_tokens > 0
+    assert 0.0 <= result.spec_acceptance_rate <= 1.0
+    assert result.spec_mean_accepted_length >= 1.0
+    assert result.to_dict()["spec_acceptance_rate"] == result.spec_acceptance_rate

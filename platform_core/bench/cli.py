@@ -53,6 +53,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             ("Prefix cache hit rate", result.prefix_cache_hit_rate),
             ("KV waste mean", result.kv_waste_mean),
             ("KV waste max", result.kv_waste_max),
+            ("Spec proposed tokens", result.spec_proposed_tokens),
+            ("Spec accepted tokens", result.spec_accepted_tokens),
+            ("Spec acceptance rate", result.spec_acceptance_rate),
+            ("Spec mean accepted length", result.spec_mean_accepted_length),
         ],
     )
     if args.save_result:

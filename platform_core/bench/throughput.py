@@ -31,6 +31,23 @@ class ThroughputResult:
     kv_waste_mean: float | None
     kv_waste_max: float | None
     kv_waste_samples: int
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed draft tokens (``None`` without speculation)."""
+        if not self.spec_proposed_tokens:
+            return None
+        return self.spec_accepted_tokens / self.spec_proposed_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens produced per verification step: accepted drafts plus the target's own."""
+        if not self.spec_verifications:
+            return None
+        return (self.spec_accepted_tokens + self.spec_verifications) / self.spec_verifications
 
     @property
     def requests_per_s(self) -> float:
@@ -50,6 +67,8 @@ class ThroughputResult:
             "requests_per_s": self.requests_per_s,
             "total_tokens_per_s": self.total_tokens_per_s,
             "output_tokens_per_s": self.output_tokens_per_s,
+            "spec_acceptance_rate": self.spec_acceptance_rate,
+            "spec_mean_accepted_length": self.spec_mean_accepted_length,
         }
 
 
@@ -108,4 +127,7 @@ def run_throughput(
         num_preemptions=delta("num_preemptions"),
         prefix_cache_hit_rate=delta("prefix_cache_hit_tokens") / queried if queried else None,
         **tracker.summary(),
+        spec_proposed_tokens=delta("spec_proposed_tokens"),
+        spec_accepted_tokens=delta("spec_accepted_tokens"),
+        spec_verifications=delta("spec_verifications"),
     )

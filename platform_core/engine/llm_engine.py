@@ -280,6 +280,7 @@ class LLMEngine:
             "kv_block_size": kv.block_size,
             "spec_proposed_tokens": s.spec_proposed_tokens,
             "spec_accepted_tokens": s.spec_accepted_tokens,
+            "spec_verifications": s.spec_verifications,
             "spec_acceptance_rate": s.spec_accepted_tokens / max(1, s.spec_proposed_tokens),
             # tokens produced per verification step: accepted drafts plus the target's own token
             "spec_mean_accepted_length": (s.spec_accepted_tokens + s.spec_verifications)

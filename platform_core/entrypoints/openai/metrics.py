@@ -84,6 +84,16 @@ class _EngineCollector(Collector):
                 "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.",
                 s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
             ),
+            (
+                "spec_decode_acceptance_rate",
+                "Accepted / proposed speculative draft tokens, since start.",
+                s["spec_acceptance_rate"],
+            ),
+            (
+                "spec_decode_mean_accepted_length",
+                "Tokens produced per speculative verification step, since start.",
+                s["spec_mean_accepted_length"],
+            ),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
@@ -94,6 +104,12 @@ class _EngineCollector(Collector):
                 "prefix_cache_hits",
                 "Prompt tokens found in the prefix cache.",
                 s["prefix_cache_hit_tokens"],
+            ),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed.", s["spec_proposed_tokens"]),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Draft tokens accepted.",
+                s["spec_accepted_tokens"],
             ),
         )
         for name, doc, value in counters:
