@@ -142,3 +142,38 @@ def hf_reference_model(tiny_model_dir: Callable[[str], Path]) -> Callable[[str],
 def reference_attention_ops() -> AttentionOps:
     """Reference paged-attention ops (pure torch, float32 softmax)."""
     return ReferenceAttentionOps()
+
+
+@pytest.fixture(scope="session")
+def text_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with a trained tokenizer and chat template (``tests/text_model.py``)."""
+    from text_model import save_text_model
+
+    return save_text_model(tmp_path_factory.mktemp("text-model"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(text_model_dir: Path) -> Path:
+    """The model the server tests serve (a module may override it)."""
+    return text_model_dir
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Any:
+    """An ``AsyncEngine`` on ``model_dir`` with the server tests' settings, shut down after."""
+    from server_utils import engine_config
+
+    from platform_core.engine.async_engine import AsyncEngine
+
+    async_engine = AsyncEngine.from_config(engine_config(model_dir))
+    yield async_engine
+    async_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(engine: Any) -> Any:
+    """A live loopback server for ``engine``; yields its base URL."""
+    from server_utils import live_server
+
+    with live_server(engine) as url:
+        yield url

@@ -8,32 +8,12 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import MODEL_NAME, engine_config, engine_idle, live_server, wait_for
-from text_model import save_text_model
+from server_utils import MODEL_NAME, engine_config, engine_idle, wait_for
 
 from platform_core import LLM, SamplingParams
-from platform_core.engine.async_engine import AsyncEngine
 
 NUM_CLIENTS = 32
 MAX_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_text_model(tmp_path_factory.mktemp("concurrency-model"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    engine = AsyncEngine.from_config(engine_config(model_dir))
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with live_server(engine) as url:
-        yield url
 
 
 def _client_params(i: int) -> dict:

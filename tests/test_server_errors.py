@@ -10,24 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_utils import MODEL_NAME, engine_config, live_server
-from text_model import save_text_model
 from tiny_tokenizer import save_tiny_tokenizer
 
 from platform_core.engine.async_engine import AsyncEngine
 
 CHAT = [{"role": "user", "content": "hello"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_text_model(tmp_path_factory.mktemp("errors-model"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    engine = AsyncEngine.from_config(engine_config(model_dir))
-    yield engine
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

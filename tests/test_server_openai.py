@@ -6,35 +6,15 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import MODEL_NAME, engine_config, live_server
-from text_model import save_text_model
+from server_utils import MODEL_NAME, engine_config
 
 from platform_core import LLM, SamplingParams, __version__
-from platform_core.engine.async_engine import AsyncEngine
 
 PROMPTS = ["The capital of France is", "A quick brown fox", "Paged attention keeps"]
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "The capital of Italy is"},
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_text_model(tmp_path_factory.mktemp("server-model"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    engine = AsyncEngine.from_config(engine_config(model_dir))
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base_url(engine):
-    with live_server(engine) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -76,11 +76,6 @@ def assert_no_leak(engine: AsyncEngine) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_text_model(tmp_path_factory.mktemp("stress-model"))
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir):
     engine = AsyncEngine.from_config(engine_config(model_dir, **LOAD_KEYS))
     yield engine
