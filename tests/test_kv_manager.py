@@ -101,3 +101,16 @@ def test_claiming_free_cached_blocks_counts_against_free_space():
     assert not kv.allocate_slots(b, 4, hits)
     kv.check_integrity()
     assert kv.pool.num_free_blocks == 3
+
+
+def test_reset_prefix_cache_only_when_idle():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)
+    assert not kv.pool.reset_prefix_cache()  # blocks are held
+    kv.free(a)
+    assert kv.pool.reset_prefix_cache()
+    assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5])) == []
+    kv.check_integrity()

@@ -101,3 +101,4 @@ def test_unsupported_capability_fails_at_start_naming_everything(tiny_model_dir)
 def test_cpu_backend_maps_float16_to_a_fast_dtype(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), dtype="float16", kv_cache_memory_bytes=1 << 22)
     assert llm.engine.config.model.dtype in ("bfloat16", "float32")
+

@@ -252,6 +252,10 @@ class LLMEngine:
             self._forget(state)
         logger.error("all requests failed: %s", reason)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (e.g. between benchmark runs); only when idle."""
+        return self.scheduler.kv.pool.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Stop worker processes (if any); the engine is unusable afterwards."""
         self.executor.shutdown()

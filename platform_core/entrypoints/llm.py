@@ -139,6 +139,10 @@ class LLM:
         """Engine counters (preemptions, prefix-cache tokens, KV blocks, ...)."""
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing done) while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def shutdown(self) -> None:
         """Release worker processes; needed only with tensor parallelism."""
         self.engine.shutdown()

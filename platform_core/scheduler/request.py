@@ -70,7 +70,6 @@ class Request:
     spec_draft_probs: Any = None
     stop_reason: int | str | None = None
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:
