@@ -143,13 +143,18 @@ _SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """Speculative decoding: propose ``num_speculative_tokens`` per step, verify in one pass."""
+    """Speculative decoding: propose ``num_speculative_tokens`` per step, verify in one pass.
+
+    Speculation pays when decode is latency-bound; with ``speculative_disable_by_batch_size``
+    set, no drafts are proposed in steps where at least that many requests are decoding.
+    """
 
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
     ngram_min: int = 1
     ngram_max: int = 4
     draft_model: str | None = None
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_method not in _SPECULATIVE_METHODS:
@@ -164,6 +169,14 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if (
+            self.speculative_disable_by_batch_size is not None
+            and self.speculative_disable_by_batch_size < 1
+        ):
+            raise ConfigError(
+                "speculative_disable_by_batch_size must be >= 1, "
+                f"got {self.speculative_disable_by_batch_size}"
             )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ConfigError("speculative_method='draft' needs draft_model (a model path)")

@@ -176,3 +176,19 @@ def test_speculation_counters_reach_the_bench_result(tiny_model_dir):
     assert 0.0 <= result.spec_acceptance_rate <= 1.0
     assert result.spec_mean_accepted_length >= 1.0
     assert result.to_dict()["spec_acceptance_rate"] == result.spec_acceptance_rate
+
+
+def test_speculation_pauses_for_large_decode_batches(tiny_model_dir):
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="float32",
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        speculative_disable_by_batch_size=2,
+    )
+    motif = prompts_with_and_without_repetition()[1]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": motif}] * 3, params, use_tqdm=False)
+    assert llm.stats()["spec_proposed_tokens"] == 0  # three decoding together: no drafts
+    llm.generate({"prompt_token_ids": motif}, params, use_tqdm=False)
+    assert llm.stats()["spec_proposed_tokens"] > 0  # alone: drafts again

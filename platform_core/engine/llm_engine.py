@@ -195,6 +195,9 @@ class LLMEngine:
             for r in self.scheduler.running
             if r.num_tokens - r.num_computed_tokens == 1 and not r.pending_fork_ids
         ]
+        disable_at = self.config.speculative.speculative_disable_by_batch_size
+        if disable_at is not None and len(decoding) >= disable_at:
+            return  # batched decode is not latency-bound: drafts would cost more than they save
         limits = [
             min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
             for r in decoding
