@@ -15,15 +15,13 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from platform_core.kernels.triton import triton_installed
+from platform_core.kernels.triton import KERNEL_BLOCK_SIZES, KERNEL_HEAD_SIZES, triton_installed
 from platform_core.plugins.interfaces import BackendInfo, Capabilities
 
 NAME = "cuda"
 PACKAGE = "platform-core-cuda"
 API_VERSION = (1, 0)
 PRIORITY = 100
-HEAD_SIZES = (64, 96, 128, 256)
-BLOCK_SIZES = (16, 32, 64)
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere
 
 
@@ -137,8 +135,8 @@ def capabilities_for(gpus: tuple[GpuInfo, ...], cuda_graphs: bool) -> Capabiliti
     features = ("prefix_caching", "chunked_prefill") + (("cuda_graphs",) if cuda_graphs else ())
     return Capabilities(
         dtypes=("float16", "bfloat16", "float32") if bf16 else ("float16", "float32"),
-        head_sizes=HEAD_SIZES,
-        block_sizes=BLOCK_SIZES,
+        head_sizes=KERNEL_HEAD_SIZES,
+        block_sizes=KERNEL_BLOCK_SIZES,
         max_batch=None,
         features=features,
     )

@@ -14,7 +14,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from platform_core.kernels.triton import triton_installed
+from platform_core.kernels.triton import (
+    KERNEL_BLOCK_SIZES,
+    KERNEL_DTYPES,
+    KERNEL_HEAD_SIZES,
+    triton_installed,
+)
 from platform_core.plugins.interfaces import BackendInfo, Capabilities
 
 NAME = "rocm"
@@ -22,9 +27,9 @@ PACKAGE = "platform-core-rocm"
 API_VERSION = (1, 0)
 PRIORITY = 100
 CAPABILITIES = Capabilities(
-    dtypes=("float16", "bfloat16", "float32"),
-    head_sizes=(64, 96, 128, 256),
-    block_sizes=(16, 32, 64),
+    dtypes=KERNEL_DTYPES,
+    head_sizes=KERNEL_HEAD_SIZES,
+    block_sizes=KERNEL_BLOCK_SIZES,
     max_batch=None,
     features=("prefix_caching", "chunked_prefill"),
 )

@@ -19,6 +19,11 @@ from __future__ import annotations
 import importlib.util
 import os
 
+# What the shared kernels are tested for; GPU backends declare these unless they narrow them.
+KERNEL_DTYPES = ("float16", "bfloat16", "float32")
+KERNEL_HEAD_SIZES = (64, 96, 128, 256)
+KERNEL_BLOCK_SIZES = (16, 32, 64)
+
 
 def triton_installed() -> bool:
     """Whether the ``triton`` module can be imported (checked without importing it)."""
