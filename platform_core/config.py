@@ -31,6 +31,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"
     trust_remote_code: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

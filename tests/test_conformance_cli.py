@@ -7,11 +7,13 @@ import argparse
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from platform_core_conformance import run_conformance
+from platform_core_conformance.collectives import devices_short_of_world
 
 from platform_core.attention.reference import ReferenceAttentionOps
 from platform_core.config import EngineConfig
@@ -113,3 +115,13 @@ def test_wrong_attention_fails_the_kernel_checks(tmp_path: Path) -> None:
 def test_unknown_backend_is_a_usage_error_that_names_it(capsys: pytest.CaptureFixture) -> None:
     assert _run_cli(["conformance", "--backend", "no-such-backend", "-k", "nothing"]) == USAGE_ERROR
     assert "no-such-backend" in capsys.readouterr().err
+
+
+def test_collectives_need_one_device_per_rank(monkeypatch):
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    assert devices_short_of_world(cpu) is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert devices_short_of_world(cuda) == "needs 2 cuda devices (one per rank), this machine has 1"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert devices_short_of_world(cuda) is None

@@ -249,22 +249,30 @@ def _head64_model_dir(tmp_path):
 
 @pytest.mark.gpu
 @cuda_only
-def test_cuda_greedy_tokens_match_the_cpu_backend(tmp_path):
+def test_cuda_greedy_tokens_with_and_without_graphs_match_the_cpu_backend(tmp_path):
     from platform_core import LLM, SamplingParams
 
     model_dir = str(_head64_model_dir(tmp_path))
     prompts = [{"prompt_token_ids": [1, 5, 9, 33, 7] * k} for k in (1, 3, 7)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     tokens = {}
-    for backend in ("cpu", "cuda"):
+    for backend, enforce_eager in (("cpu", False), ("cuda", True), ("cuda", False)):
         llm = LLM(
             model_dir,
             dtype="float32",
             backend=backend,
             skip_tokenizer_init=True,
             kv_cache_memory_bytes=64 << 20,
+            max_num_seqs=8,
+            enforce_eager=enforce_eager,
         )
-        tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        key = f"{backend}{'-eager' if enforce_eager else ''}"
+        tokens[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        if key == "cuda":  # decode steps of 3 sequences replayed in the size-4 graph
+            runner = llm.engine.runner.step_forward
+            assert isinstance(runner, graph_runner.CudaGraphRunner)
+            assert sorted(runner.graphs) == [1, 2, 4, 8] and runner.replays >= 20
+    assert tokens["cuda-eager"] == tokens["cpu"]
     assert tokens["cuda"] == tokens["cpu"]
 
 

@@ -102,3 +102,49 @@ def test_cpu_backend_maps_float16_to_a_fast_dtype(tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama")), dtype="float16", kv_cache_memory_bytes=1 << 22)
     assert llm.engine.config.model.dtype in ("bfloat16", "float32")
 
+
+
+class CountingGraphRunner:
+    """A backend's graph runner stand-in: records the calls, then runs the model eagerly."""
+
+    def __init__(self, model, kv_caches):
+        self.model, self.kv_caches, self.calls = model, kv_caches, 0
+
+    def __call__(self, input_ids, positions, kv_caches, metadata):
+        self.calls += 1
+        assert kv_caches is self.kv_caches
+        return self.model(input_ids, positions, kv_caches, metadata)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_backend_graph_runner_wraps_every_serving_step(tiny_model_dir, monkeypatch, enforce_eager):
+    from platform_core_cpu.plugin import CpuBackend
+
+    made = []
+
+    def graph_runner(self, model, kv_caches, config, max_model_len):
+        if config.model.enforce_eager:
+            return None
+        made.append((CountingGraphRunner(model, kv_caches), max_model_len))
+        return made[-1][0]
+
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(3, 40))}]
+    plain = LLM(str(tiny_model_dir("llama")), dtype="float32", max_model_len=128)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(CpuBackend, "graph_runner", graph_runner)
+    llm = LLM(
+        str(tiny_model_dir("llama")),
+        dtype="float32",
+        max_model_len=128,
+        enforce_eager=enforce_eager,
+    )
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    if enforce_eager:
+        assert made == []
+        return
+    [(runner, max_model_len)] = made  # once, for the serving cache (not the profiling one)
+    assert max_model_len == 128
+    assert runner.kv_caches is llm.engine.runner.kv_caches
+    assert runner.calls == 5  # one prefill step and four decode steps

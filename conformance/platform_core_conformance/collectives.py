@@ -43,6 +43,21 @@ def process_group_backend(backend: Backend) -> str | None:
     return explicit or DEFAULT_PROCESS_GROUPS.get(backend.device.type)
 
 
+def devices_short_of_world(backend: Backend) -> str | None:
+    """Why the ranks cannot each get a device of ``backend``'s type, or ``None`` if they can.
+
+    Every rank takes device ``LOCAL_RANK``; CPU ranks share the host.
+    """
+    kind = backend.device.type
+    module = getattr(torch, kind, None)
+    if kind == "cpu" or module is None or not hasattr(module, "device_count"):
+        return None
+    count = module.device_count()
+    if count >= WORLD_SIZE:
+        return None
+    return f"needs {WORLD_SIZE} {kind} devices (one per rank), this machine has {count}"
+
+
 def _data(rank: int, dtype: torch.dtype) -> torch.Tensor:
     """Rank ``rank``'s input ``[2W, 3W]``: small integers, so every sum is exact."""
     rows, cols = 2 * WORLD_SIZE, 3 * WORLD_SIZE

@@ -129,7 +129,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
         max_model_len = _max_model_len(config, hf_config)
         proposer = build_proposer(config, backend, dtype, executor.driver.model.vocab_size)
         num_blocks, max_model_len = _size_kv_cache(config, executor, proposer, max_model_len)
-        executor.allocate_kv_cache(num_blocks)
+        executor.allocate_kv_cache(num_blocks, max_model_len)
         if proposer is not None and proposer.bytes_per_block:
             proposer.allocate(num_blocks)
     except BaseException:

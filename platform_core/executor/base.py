@@ -48,8 +48,9 @@ class Executor(ABC):
         """Size the KV cache on every rank; the smallest rank's block count wins."""
 
     @abstractmethod
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate ``num_blocks`` on every rank."""
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        """Allocate ``num_blocks`` on every rank (with ``max_model_len``: the serving cache,
+        over which a backend may capture graphs)."""
 
     @abstractmethod
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -75,8 +76,8 @@ class UniprocExecutor(Executor):
     ) -> KVCachePlan:
         return self.driver.plan_kv_cache(max_useful_blocks, max_model_len, extra_bytes_per_block)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.driver.allocate_kv_cache(num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        self.driver.allocate_kv_cache(num_blocks, max_model_len)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver.execute(output)
@@ -114,8 +115,8 @@ class LockstepExecutor(Executor):
         smallest = min(p.num_blocks for p in [mine, *theirs])
         return dataclasses.replace(mine, num_blocks=smallest)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._call("allocate_kv_cache", num_blocks)
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        self._call("allocate_kv_cache", num_blocks, max_model_len)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         plan = self.driver.plan(output)

@@ -179,3 +179,18 @@ class Backend(ABC):
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
         """Config changes this backend needs; the core applies and logs each one."""
         return []
+
+    def graph_runner(
+        self,
+        model: Callable[..., torch.Tensor],
+        kv_caches: list[torch.Tensor],
+        config: EngineConfig,
+        max_model_len: int,
+    ) -> Callable[..., torch.Tensor] | None:
+        """A stand-in for ``model``'s forward (same signature) that replays captured device
+        graphs for the steps it can, or ``None`` to run every step eagerly (the default).
+
+        Called once, after the KV cache is allocated: ``kv_caches`` are the tensors every step
+        passes. ``config.model.enforce_eager`` asks for ``None``.
+        """
+        return None

@@ -7,6 +7,7 @@ run. Everything device-specific comes from the backend.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,8 @@ class ModelRunner:
         self.input_builder = InputBuilder(self.block_size, backend.device)
         self.step_sampler = StepSampler(config.model.seed, eos_token_ids)
         self.kv_caches: list[torch.Tensor] = []
+        #: what each step calls: the model, or the backend's graph runner wrapping it
+        self.step_forward: Callable[..., torch.Tensor] = self.model
 
     @property
     def weights_bytes(self) -> int:
@@ -103,8 +106,12 @@ class ModelRunner:
         num_blocks = min(budget // per_block, max_useful_blocks)
         return KVCachePlan(num_blocks, per_block, budget, source, report)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one zeroed cache tensor per layer in the backend's layout."""
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        """Allocate one zeroed cache tensor per layer in the backend's layout.
+
+        With ``max_model_len`` this is the serving cache: the backend may then capture graphs
+        of the forward over it (``Backend.graph_runner``).
+        """
         self.kv_caches = allocate_kv_caches(
             self.backend.attention,
             self.model,
@@ -113,6 +120,12 @@ class ModelRunner:
             self.dtype,
             self.backend.device,
         )
+        self.step_forward = self.model
+        if max_model_len is not None:
+            runner = self.backend.graph_runner(
+                self.model, self.kv_caches, self.config, max_model_len
+            )
+            self.step_forward = self.model if runner is None else runner
 
     def plan(self, output: SchedulerOutput) -> StepPlan:
         """The step every rank runs (made on the driver)."""
@@ -127,7 +140,7 @@ class ModelRunner:
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
         model_input = self.input_builder.to_device(plan.batch)
-        hidden = self.model(
+        hidden = self.step_forward(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata
         )
         rows = torch.from_numpy(plan.logits_rows).to(hidden.device)

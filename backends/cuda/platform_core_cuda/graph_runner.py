@@ -51,6 +51,7 @@ class CudaGraphRunner:
         max_blocks = -(-max_model_len // block_size)
         self.buffers = DecodeBuffers.allocate(max(sizes), max_blocks, block_size, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replays = 0
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -88,4 +89,5 @@ class CudaGraphRunner:
         graph, out = captured
         self.buffers.fill(input_ids, positions, metadata, size)
         graph.replay()
+        self.replays += 1
         return out[: metadata.num_seqs]

@@ -98,10 +98,9 @@ class CudaBackend(Backend):
         self, model: Any, kv_caches: list[torch.Tensor], config: EngineConfig, max_model_len: int
     ):
         """A captured :class:`~platform_core_cuda.graph_runner.CudaGraphRunner` wrapping
-        ``model``'s forward (same signature), or ``None`` when graphs are turned off.
-
-        Meant to be called by the model runner once the KV cache is allocated."""
-        if not graphs_enabled():
+        ``model``'s forward (same signature), or ``None`` when graphs are turned off
+        (``enforce_eager`` or ``PLATFORM_CORE_CUDA_GRAPHS=0``)."""
+        if config.model.enforce_eager or not graphs_enabled():
             return None
         from platform_core_cuda.graph_buckets import capture_sizes
         from platform_core_cuda.graph_runner import CudaGraphRunner

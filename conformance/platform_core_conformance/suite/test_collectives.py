@@ -10,6 +10,7 @@ import pytest
 from platform_core_conformance.collectives import (
     CHECKS,
     CollectiveResults,
+    devices_short_of_world,
     process_group_backend,
     run_collectives,
 )
@@ -24,6 +25,9 @@ def results(conformance: ConformanceContext) -> CollectiveResults:
             f"no process-group backend for device type {conformance.backend.device.type!r}: "
             "set the backend's process_group_backend attribute"
         )
+    shortage = devices_short_of_world(conformance.backend)
+    if shortage is not None:
+        pytest.skip(shortage)
     return run_collectives(
         conformance.name,
         conformance.extra_plugins,
