@@ -221,7 +221,7 @@ def test_cuda_graphs_flag_and_launch_params(monkeypatch):
     monkeypatch.setenv(cuda_plugin.GRAPHS_ENV, "0")
     assert not cuda_plugin.graphs_enabled()
     params = cuda_plugin.cuda_launch_params(num_sms=132)
-    assert params.target_programs == 264
+    assert (params.target_programs, params.block_n, params.max_splits) == (264, 128, 64)
     assert params.launch_options() == {"num_warps": 4, "num_stages": 2}
 
 

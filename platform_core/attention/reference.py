@@ -73,8 +73,8 @@ def reference_paged_attention(
         k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, s, D]
         v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q, s]
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)

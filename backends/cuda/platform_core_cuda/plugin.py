@@ -39,10 +39,17 @@ def graphs_enabled() -> bool:
 def cuda_launch_params(num_sms: int) -> LaunchParams:
     """Triton launch settings for an NVIDIA GPU with ``num_sms`` multiprocessors.
 
-    Split-KV kicks in when a launch has fewer than two programs per SM.
+    Split-KV kicks in when a launch has fewer than two programs per SM. Chosen by
+    ``benchmarks/gpu_attention.py --sweep`` on an H200 (benchmarks/RESULTS.md): 128-key steps
+    and up to 64 splits lift decode over long contexts (1 x 65536 keys: 204 -> 139 us).
     """
     return LaunchParams(
-        block_m=64, block_n=64, num_warps=4, num_stages=2, target_programs=2 * num_sms
+        block_m=64,
+        block_n=128,
+        num_warps=4,
+        num_stages=2,
+        target_programs=2 * num_sms,
+        max_splits=64,
     )
 
 
