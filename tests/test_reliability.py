@@ -85,9 +85,11 @@ def test_deadline_aborts_and_frees(llm):
     engine = llm.engine
     slow = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
     engine.add_request(
-        "late", None, slow, prompt_token_ids=[5] * 20, deadline=time.monotonic() + 0.3
+        "late", None, slow, prompt_token_ids=[5] * 20, deadline=time.monotonic() + 0.2
     )
     engine.add_request("fine", None, GREEDY, prompt_token_ids=[6] * 20)
+    assert not any(o.finished for o in engine.step())  # the first tokens, inside the deadline
+    time.sleep(0.25)  # the deadline passes mid-generation, however fast the steps are
     finals = run_all(engine)
     assert finals["late"].error == "deadline exceeded"
     assert finals["late"].outputs[0].finish_reason == "abort"

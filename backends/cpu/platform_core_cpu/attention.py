@@ -41,10 +41,11 @@ class CpuAttentionOps(AttentionOps):
     @property
     def kernel(self) -> str:
         """The path in use: ``"compiled"`` or ``"torch"`` (builds the kernel if needed)."""
-        return "compiled" if self._compiled_ops() is not None else "torch"
+        return "compiled" if self.compiled_ops() is not None else "torch"
 
-    def _compiled_ops(self) -> Any:
-        """``torch.ops.platform_core_cpu``, or ``None`` on the torch path."""
+    def compiled_ops(self) -> Any:
+        """``torch.ops.platform_core_cpu`` (attention and the fused layer ops), or ``None`` on
+        the torch path."""
         if not self._resolved:
             self._ops = self._resolve()
             self._resolved = True
@@ -81,7 +82,7 @@ class CpuAttentionOps(AttentionOps):
     ) -> None:
         """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]``; ``-1`` slots skip."""
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
-        ops = self._compiled_ops()
+        ops = self.compiled_ops()
         if ops is not None:
             slots = slot_mapping.long().contiguous()
             ops.write_kv(_rows_contiguous(key), _rows_contiguous(value), kv_cache, slots)
@@ -102,7 +103,7 @@ class CpuAttentionOps(AttentionOps):
         scale: float,
     ) -> torch.Tensor:
         """Causal GQA attention of ``query`` ``[num_tokens, num_heads, head_size]``."""
-        ops = self._compiled_ops()
+        ops = self.compiled_ops()
         q = query.to(kv_cache.dtype)
         if ops is None:
             out = torch_paged_attention(q, kv_cache, metadata, scale)

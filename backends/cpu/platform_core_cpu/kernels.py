@@ -1,10 +1,10 @@
-"""Builds and loads the compiled CPU attention kernels on first use.
+"""Builds and loads the compiled CPU kernels (attention and fused layer ops) on first use.
 
 The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension`` into a build folder
 under ``$PLATFORM_CORE_CACHE/kernels`` (default ``~/.cache/platform-core/kernels``) named by a hash
 of the sources, the compiler flags, the torch version and the host CPU, so a build is reused by
 every later process and a changed source or machine gets a fresh one. The ops are registered as
-``torch.ops.platform_core_cpu.paged_attention`` and ``torch.ops.platform_core_cpu.write_kv``.
+``torch.ops.platform_core_cpu.{paged_attention, write_kv, rms_norm, silu_and_mul, rotary}``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger("platform_core_cpu")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.cpp", "write_kv.cpp", "ops.cpp")
+SOURCES = ("paged_attention.cpp", "write_kv.cpp", "layer_ops.cpp", "ops.cpp")
 HEADERS = ("cpu_kernels.h", "vec_math.h")
 # -march=native is safe because the build key includes the host CPU's identity.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -90,7 +90,7 @@ def load_kernels() -> KernelBuild:
         build_dir = cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"{name}.so").exists():
-            logger.info("compiling the CPU attention kernels once, into %s", build_dir)
+            logger.info("compiling the CPU kernels once, into %s", build_dir)
         cpp_extension.load(
             name=name,
             sources=[str(CSRC / source) for source in SOURCES],

@@ -63,10 +63,18 @@ class CpuBackend(Backend):
         return TorchDistributedCommunicator(group=group, device=self.device)
 
     def op_overrides(self) -> dict[str, Any]:
-        """bf16 linears through weights pre-packed for oneDNN (other dtypes are unchanged)."""
+        """bf16 linears through weights pre-packed for oneDNN (other dtypes are unchanged), and
+        the compiled fused RMS norm, SiLU-and-multiply and rotary unless on the torch path."""
+        from platform_core_cpu.layer_ops import fused_layer_ops
         from platform_core_cpu.linear import PackedLinear, packed_linear_available
 
-        return {"linear": PackedLinear()} if packed_linear_available() else {}
+        overrides: dict[str, Any] = {}
+        if packed_linear_available():
+            overrides["linear"] = PackedLinear()
+        compiled = self.attention.compiled_ops()
+        if compiled is not None:
+            overrides.update(fused_layer_ops(compiled))
+        return overrides
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
         if config.model.dtype != "float16":

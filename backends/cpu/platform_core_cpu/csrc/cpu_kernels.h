@@ -17,6 +17,16 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
               const at::Tensor& slot_mapping);
 
+// RMS norm of each row of x [rows, hidden] (contiguous rows), scaled by weight; a new tensor.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// silu(gate) * up for x [rows, 2 * d] = [gate | up] (contiguous rows); a new [rows, d] tensor.
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+// Rotates query/key [tokens, heads, head_size] in place by cos/sin [tokens, head_size / 2].
+void rotary(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cos,
+            const at::Tensor& sin);
+
 // Element conversions written on raw bits so that loops over them vectorize.
 template <typename T>
 inline float to_float(T x) {

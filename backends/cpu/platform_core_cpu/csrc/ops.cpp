@@ -11,4 +11,8 @@ TORCH_LIBRARY(platform_core_cpu, m) {
       &platform_core_cpu::paged_attention);
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",
         &platform_core_cpu::write_kv);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &platform_core_cpu::rms_norm);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &platform_core_cpu::silu_and_mul);
+  m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
+        &platform_core_cpu::rotary);
 }

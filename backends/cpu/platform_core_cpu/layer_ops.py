@@ -1,0 +1,58 @@
+"""Fused RMS norm, SiLU-and-multiply and rotary from the compiled kernels, as op overrides.
+
+Each fused op reads its input once instead of running a chain of torch ops (four to six passes
+and temporaries each); results round where the unfused ops round. Inputs the kernels do not take
+(other dtypes, layouts without contiguous rows) go to the core's default op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from platform_core.layers.activation import silu_and_mul
+from platform_core.layers.norm import rms_norm
+from platform_core.layers.rotary import apply_rotary
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    return x.dtype in FUSED_DTYPES and x.dim() == 2 and x.stride(1) == 1
+
+
+def fused_layer_ops(ops: Any) -> dict[str, Callable[..., Any]]:
+    """``rms_norm``, ``silu_and_mul`` and ``rotary`` overrides over the compiled ``ops``
+    namespace (``torch.ops.platform_core_cpu``)."""
+
+    def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if weight.dtype != x.dtype:
+            return rms_norm(x, weight, eps)
+        if _rows_ok(x):
+            return ops.rms_norm(x, weight, eps)
+        if x.dim() == 3 and x.dtype in FUSED_DTYPES:  # per-head q/k norms
+            return ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        return rms_norm(x, weight, eps)
+
+    def fused_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(x) if _rows_ok(x) else silu_and_mul(x)
+
+    def fused_rotary(
+        query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tensors = (query, key, cos, sin)
+        fusable = query.dtype in FUSED_DTYPES and all(
+            t.dtype == query.dtype and t.stride(-1) == 1 for t in tensors
+        )
+        if not fusable:
+            return apply_rotary(query, key, cos, sin)
+        ops.rotary(query, key, cos, sin)
+        return query, key
+
+    return {
+        "rms_norm": fused_rms_norm,
+        "silu_and_mul": fused_silu_and_mul,
+        "rotary": fused_rotary,
+    }
