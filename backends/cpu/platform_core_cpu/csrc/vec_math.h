@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace platform_core_cpu {
 
 constexpr int64_t kLanes = 16;
@@ -110,6 +114,43 @@ inline vec16 dot16(const float* q, const float* keys, int64_t padded) {
     for (int j = 0; j < kLanes; ++j) partial[j] += qc * load16(keys + j * padded + c);
   }
   return transpose_sum(partial);
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kHasBf16Dot = true;
+#else
+constexpr bool kHasBf16Dot = false;
+#endif
+// bf16 elements one AVX512-BF16 dot step consumes per row (q rows are zero-padded to it).
+constexpr int64_t kBf16Pair = 32;
+
+// Dot products of bf16 q (zero-padded to kBf16Pair) with the first `rows` (<= 16) of 16 bf16
+// key rows `stride` elements apart, each `head_size` long: products exact in fp32, sums in
+// fp32; lanes past `rows` are 0. Only those rows' own elements are read (masked tail loads).
+inline vec16 dot16_bf16(const uint16_t* q, const uint16_t* keys, int64_t stride,
+                        int64_t head_size, int64_t rows) {
+#if defined(__AVX512BF16__)
+  __m512 partial[kLanes];
+#pragma GCC unroll 16
+  for (int j = 0; j < kLanes; ++j) partial[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < head_size; c += kBf16Pair) {
+    const int64_t left = head_size - c;
+    const __mmask32 mask = left >= kBf16Pair ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c);
+#pragma GCC unroll 16
+    for (int j = 0; j < kLanes; ++j) {
+      if (j >= rows) break;
+      const __m512bh kc = (__m512bh)_mm512_maskz_loadu_epi16(mask, keys + j * stride + c);
+      partial[j] = _mm512_dpbf16_ps(partial[j], qc, kc);
+    }
+  }
+  vec16 sums[kLanes];
+  for (int j = 0; j < kLanes; ++j) std::memcpy(&sums[j], &partial[j], sizeof(vec16));
+  return transpose_sum(sums);
+#else
+  (void)q, (void)keys, (void)stride, (void)head_size, (void)rows;
+  return vec16{};
+#endif
 }
 
 // acc = acc * decay + sum_j p[j] * rows[j] (rows `padded` floats apart), four register
