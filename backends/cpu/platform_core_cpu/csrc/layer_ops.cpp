@@ -9,6 +9,8 @@
 #include <ATen/ops/empty.h>
 
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 
 namespace platform_core_cpu {
 namespace {
@@ -24,6 +26,44 @@ int64_t grain_rows(int64_t row_elements) {
 template <typename T>
 inline float round_to(float x) {
   return to_float(from_float<T>(x));
+}
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+// 16 elements of T as fp32.
+template <typename T>
+inline vec16 load16_as_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return load16(p);
+  } else {
+    u16x16 raw;
+    std::memcpy(&raw, p, sizeof raw);
+    return std::bit_cast<vec16>(__builtin_convertvector(raw, ivec16) << 16);
+  }
+}
+
+// x rounded to T's precision (round to nearest even), still as fp32; NaN stays NaN.
+template <typename T>
+inline vec16 round16(vec16 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    const ivec16 bits = std::bit_cast<ivec16>(x);
+    const ivec16 rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & static_cast<int32_t>(0xFFFF0000);
+    return x != x ? x : std::bit_cast<vec16>(rounded);
+  }
+}
+
+// Stores 16 fp32 values already rounded to T's precision.
+template <typename T>
+inline void store16_rounded(T* p, vec16 x) {
+  if constexpr (std::is_same_v<T, float>) {
+    store16(p, x);
+  } else {
+    const u16x16 raw = __builtin_convertvector(
+        static_cast<ivec16>(std::bit_cast<ivec16>(x) >> 16) & 0xFFFF, u16x16);
+    std::memcpy(p, &raw, sizeof raw);
+  }
 }
 
 template <typename T>
@@ -60,14 +100,19 @@ void silu_and_mul_rows(const at::Tensor& x, const at::Tensor& out) {
       const T* g = src + r * in_stride;
       const T* u = g + dim;
       T* o = dst + r * dim;
-      for (int64_t i0 = 0; i0 < dim; i0 += kLanes) {
-        const int64_t n = std::min<int64_t>(kLanes, dim - i0);
-        for (int64_t j = 0; j < kLanes; ++j) gate[j] = j < n ? to_float(g[i0 + j]) : 0.0f;
-        const vec16 v = load16(gate);
-        store16(gate, v / (1.0f + exp16(-v)));
-        for (int64_t j = 0; j < n; ++j) {
-          o[i0 + j] = from_float<T>(round_to<T>(gate[j]) * to_float(u[i0 + j]));
-        }
+      int64_t i0 = 0;
+      for (; i0 + kLanes <= dim; i0 += kLanes) {
+        const vec16 v = load16_as_float(g + i0);
+        const vec16 silu = round16<T>(v / (1.0f + exp16(-v)));
+        store16_rounded(o + i0, round16<T>(silu * load16_as_float(u + i0)));
+      }
+      if (i0 == dim) continue;
+      const int64_t n = dim - i0;  // the tail, through a padded buffer
+      for (int64_t j = 0; j < kLanes; ++j) gate[j] = j < n ? to_float(g[i0 + j]) : 0.0f;
+      const vec16 v = load16(gate);
+      store16(gate, v / (1.0f + exp16(-v)));
+      for (int64_t j = 0; j < n; ++j) {
+        o[i0 + j] = from_float<T>(round_to<T>(gate[j]) * to_float(u[i0 + j]));
       }
     }
   });
