@@ -46,16 +46,20 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """Paged KV-cache sizing and prefix caching."""
+    """Paged KV-cache sizing and prefix caching.
 
-    block_size: int = 16
+    ``block_size`` of ``None`` takes the backend's preferred size
+    (``Capabilities.preferred_block_size``), resolved when the engine starts.
+    """
+
+    block_size: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(

@@ -36,6 +36,7 @@ def test_tp2_multiprocess_equals_one_rank(tiny_model_dir, arch):
     with LLM(
         model,
         dtype="float32",
+        block_size=16,  # short prompts still fill blocks: prefix-cache hits
         tensor_parallel_size=2,
         max_num_batched_tokens=32,  # chunked prefill
         enable_prefix_caching=True,

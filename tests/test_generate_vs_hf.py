@@ -95,7 +95,7 @@ def test_chunked_prefill_over_several_steps(arch_case):
 
 
 def test_prefix_caching_hits_and_same_tokens(arch_case):
-    llm = LLM(arch_case["dir"], dtype="float32", enable_prefix_caching=True)
+    llm = LLM(arch_case["dir"], dtype="float32", enable_prefix_caching=True, block_size=16)
     shared, expected = arch_case["shared"], arch_case["shared_expected"]
     assert generate(llm, shared[:1]) == expected[:1]
     assert llm.stats()["prefix_cache_hit_tokens"] == 0
@@ -108,7 +108,7 @@ def test_prefix_caching_hits_and_same_tokens(arch_case):
 def test_preemption_keeps_tokens(arch_case):
     # 20 blocks x 16 = 320 tokens: the 300-token prompt (+12) fits alone, not beside the others,
     # and the seven shorter ones admitted first outgrow the pool while decoding.
-    llm = LLM(arch_case["dir"], dtype="float32", num_gpu_blocks_override=20)
+    llm = LLM(arch_case["dir"], dtype="float32", num_gpu_blocks_override=20, block_size=16)
     assert generate(llm, arch_case["prompts"]) == arch_case["expected"]
     assert llm.stats()["num_preemptions"] > 0
     assert_all_freed(llm)

@@ -148,3 +148,16 @@ def test_backend_graph_runner_wraps_every_serving_step(tiny_model_dir, monkeypat
     assert max_model_len == 128
     assert runner.kv_caches is llm.engine.runner.kv_caches
     assert runner.calls == 5  # one prefill step and four decode steps
+
+
+def test_unset_block_size_takes_the_backends_preferred_size(tiny_model_dir, caplog):
+    from platform_core_cpu.plugin import CAPABILITIES
+
+    with caplog.at_level(logging.INFO, logger="platform_core.engine"):
+        llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    assert llm.engine.config.cache.block_size == CAPABILITIES.preferred_block_size == 128
+    assert "block_size 128 (backend cpu's preferred size)" in caplog.text
+    chosen = LLM(str(tiny_model_dir("llama")), dtype="float32", block_size=32)
+    assert chosen.engine.config.cache.block_size == 32  # a set size is kept
+    dummy = LLM(str(tiny_model_dir("llama")), backend="dummy", dtype="float32")
+    assert dummy.engine.config.cache.block_size == 32  # declares none: 16, then its adjustment

@@ -17,7 +17,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    return LLM(str(tiny_model_dir("llama")), dtype="float32", num_gpu_blocks_override=64)
+    return LLM(
+        str(tiny_model_dir("llama")), dtype="float32", num_gpu_blocks_override=64, block_size=16
+    )
 
 
 def run_all(engine) -> dict[str, object]:
@@ -122,6 +124,7 @@ def test_abort_storm_leaks_nothing(tiny_model_dir):
         str(tiny_model_dir("llama")),
         dtype="float32",
         num_gpu_blocks_override=32,  # small: requests get preempted too
+        block_size=16,
         max_num_batched_tokens=512,
         enable_prefix_caching=True,
     )

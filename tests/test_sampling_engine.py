@@ -16,7 +16,9 @@ def text_llm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama(tiny_model_dir):
-    return LLM(str(tiny_model_dir("llama")), dtype="float32", enable_prefix_caching=False)
+    return LLM(
+        str(tiny_model_dir("llama")), dtype="float32", enable_prefix_caching=False, block_size=16
+    )
 
 
 def test_greedy_logprobs_match_hf(llama, hf_reference_model):

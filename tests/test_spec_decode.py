@@ -45,6 +45,7 @@ def test_greedy_outputs_are_unchanged(tiny_model_dir, arch):
         num_speculative_tokens=4,
         max_num_batched_tokens=48,
         num_gpu_blocks_override=16,
+        block_size=16,
     )
     outputs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

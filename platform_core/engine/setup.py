@@ -44,7 +44,12 @@ class EngineSetup:
 
 
 def apply_backend_adjustments(config: EngineConfig, backend: Backend) -> EngineConfig:
-    """Apply and log the config changes the backend asks for."""
+    """Fill in the backend's preferred block size when none was set, then apply and log the
+    config changes the backend asks for."""
+    if config.cache.block_size is None:
+        preferred = backend.capabilities.preferred_block_size
+        logger.info("block_size %d (backend %s's preferred size)", preferred, backend.name)
+        config = config.replace(block_size=preferred)
     for change in backend.adjust_config(config):
         old = config.to_flat().get(change.key)
         logger.info(
@@ -67,6 +72,8 @@ def check_capabilities(config: EngineConfig, backend: Backend, head_size: int) -
         ("head_size", head_size, caps.head_sizes),
         ("block_size", config.cache.block_size, caps.block_sizes),
     ):
+        if capability == "block_size" and value is None:
+            continue  # unset: the backend's preferred size, filled in at start-up
         if value not in valid:
             raise UnsupportedByBackendError(backend.name, capability, value, list(valid))
     if caps.max_batch is not None and config.scheduler.max_num_seqs > caps.max_batch:

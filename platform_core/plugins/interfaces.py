@@ -26,6 +26,7 @@ class Capabilities:
 
     ``features`` names optional abilities (``"prefix_caching"``, ``"chunked_prefill"``,
     ``"cuda_graphs"``, ``"fp8_kv"``, ...). ``max_batch`` of ``None`` means unlimited.
+    ``preferred_block_size`` is the KV block size used when the user sets none.
     """
 
     dtypes: tuple[str, ...]
@@ -33,6 +34,7 @@ class Capabilities:
     block_sizes: tuple[int, ...]
     max_batch: int | None = None
     features: tuple[str, ...] = ()
+    preferred_block_size: int = 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,7 +139,7 @@ void attend_block(int64_t r, int64_t count, const T* keys, const Geometry& g, Sc
 
 // Blocks ahead of the one in use whose K/V rows are asked for (scattered blocks defeat the
 // hardware prefetchers).
-constexpr int64_t kPrefetchBlocks = 2;
+constexpr int64_t kPrefetchBlocks = 1;
 
 template <typename T>
 void prefetch_table_block(const int32_t* table, int64_t blk, int64_t kv_len, int64_t kv_head,
