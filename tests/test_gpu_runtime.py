@@ -269,7 +269,7 @@ def test_cuda_greedy_tokens_with_and_without_graphs_match_the_cpu_backend(tmp_pa
         key = f"{backend}{'-eager' if enforce_eager else ''}"
         tokens[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         if key == "cuda":  # decode steps of 3 sequences replayed in the size-4 graph
-            runner = llm.engine.runner.step_forward
+            runner = llm.engine.runner.graph_runner
             assert isinstance(runner, graph_runner.CudaGraphRunner)
             assert sorted(runner.graphs) == [1, 2, 4, 8] and runner.replays >= 20
     assert tokens["cuda-eager"] == tokens["cpu"]

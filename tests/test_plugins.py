@@ -142,11 +142,12 @@ def test_backend_graph_runner_wraps_every_serving_step(tiny_model_dir, monkeypat
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     if enforce_eager:
-        assert made == []
+        assert made == [] and llm.engine.runner.graph_runner is None
         return
     [(runner, max_model_len)] = made  # once, for the serving cache (not the profiling one)
     assert max_model_len == 128
     assert runner.kv_caches is llm.engine.runner.kv_caches
+    assert llm.engine.runner.graph_runner is runner
     assert runner.calls == 5  # one prefill step and four decode steps
 
 

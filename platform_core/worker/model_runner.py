@@ -71,8 +71,8 @@ class ModelRunner:
         self.input_builder = InputBuilder(self.block_size, backend.device)
         self.step_sampler = StepSampler(config.model.seed, eos_token_ids)
         self.kv_caches: list[torch.Tensor] = []
-        #: what each step calls: the model, or the backend's graph runner wrapping it
-        self.step_forward: Callable[..., torch.Tensor] = self.model
+        #: the backend's graph runner wrapping the model's forward, when it made one
+        self.graph_runner: Callable[..., torch.Tensor] | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -120,12 +120,11 @@ class ModelRunner:
             self.dtype,
             self.backend.device,
         )
-        self.step_forward = self.model
+        self.graph_runner = None
         if max_model_len is not None:
-            runner = self.backend.graph_runner(
+            self.graph_runner = self.backend.graph_runner(
                 self.model, self.kv_caches, self.config, max_model_len
             )
-            self.step_forward = self.model if runner is None else runner
 
     def plan(self, output: SchedulerOutput) -> StepPlan:
         """The step every rank runs (made on the driver)."""
@@ -140,7 +139,8 @@ class ModelRunner:
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
         model_input = self.input_builder.to_device(plan.batch)
-        hidden = self.step_forward(
+        step_forward = self.model if self.graph_runner is None else self.graph_runner
+        hidden = step_forward(
             model_input.input_ids, model_input.positions, self.kv_caches, model_input.metadata
         )
         rows = torch.from_numpy(plan.logits_rows).to(hidden.device)
