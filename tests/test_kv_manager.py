@@ -114,3 +114,17 @@ def test_reset_prefix_cache_only_when_idle():
     assert kv.pool.reset_prefix_cache()
     assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5])) == []
     kv.check_integrity()
+
+
+def test_host_kv_tensors_read_as_zeros_and_are_writable():
+    import torch
+
+    from platform_core.worker.kv_tensors import zeroed_host_tensor
+
+    cache = zeroed_host_tensor((2, 64, 4, 16, 8), torch.bfloat16)
+    assert cache.shape == (2, 64, 4, 16, 8) and cache.is_contiguous()
+    assert cache.count_nonzero() == 0
+    cache[1, 63, 3, 15, 7] = 2.5
+    cache[0, 0, 0, 0, 0] = -1.0
+    assert cache.count_nonzero() == 2 and cache.float().sum() == 1.5
+    assert zeroed_host_tensor((0, 4), torch.float32).shape == (0, 4)

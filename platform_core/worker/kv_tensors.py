@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Any
 
 import torch
@@ -25,4 +27,24 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One zeroed cache tensor per layer (zeros: unwritten slots are never NaN)."""
     shape = ops.kv_cache_shape(num_blocks, block_size, model.num_kv_heads, model.head_size)
+    if device.type == "cpu":
+        return [zeroed_host_tensor(shape, dtype) for _ in range(model.num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in host memory that costs nothing until used.
+
+    The memory is an anonymous mapping: the OS hands out zeroed pages on first touch, so a
+    large cache is not written once up front (``torch.zeros`` of 4 GiB takes seconds), and
+    pages no sequence reaches are never committed. Transparent huge pages are requested for
+    it (fewer TLB misses when attention reads scattered blocks).
+    """
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)

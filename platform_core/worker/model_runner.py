@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("platform_core.worker")
 
+#: Longest dummy sequence of the memory-profiling forward.
+PROFILE_SEQ_LEN = 512
+
 
 @dataclass(frozen=True, slots=True)
 class KVCachePlan:
@@ -163,12 +166,15 @@ class ModelRunner:
     def _dummy_forward(self, max_model_len: int) -> None:
         """One forward over a full token budget, for peak-memory profiling.
 
-        The budget is split into sequences no longer than the model's context.
+        The budget is split into sequences of at most ``PROFILE_SEQ_LEN`` tokens (and the
+        model's context): the activations' peak depends on the token count, while one long
+        sequence would only make the paged-attention kernels, which keep no score matrix,
+        slow to profile.
         """
         remaining = self.config.scheduler.max_num_batched_tokens
         dummies, next_block = [], 0
         while remaining > 0:
-            length = min(remaining, max_model_len)
+            length = min(remaining, max_model_len, PROFILE_SEQ_LEN)
             num_blocks = -(-length // self.block_size)
             dummies.append(
                 ScheduledRequest(
