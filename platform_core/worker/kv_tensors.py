@@ -32,13 +32,16 @@ def allocate_kv_caches(
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
 
 
-def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor in host memory that costs nothing until used.
+_HUGE_PAGE = 2 << 20
 
-    The memory is an anonymous mapping: the OS hands out zeroed pages on first touch, so a
-    large cache is not written once up front (``torch.zeros`` of 4 GiB takes seconds), and
-    pages no sequence reaches are never committed. Transparent huge pages are requested for
-    it (fewer TLB misses when attention reads scattered blocks).
+
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in host memory, on huge pages where the OS grants them.
+
+    The memory is an anonymous mapping with transparent huge pages requested: the OS hands
+    out zeroed pages, so the cache is never filled by us (``torch.zeros`` of 4 GiB takes
+    seconds in 4 KiB page faults), and huge pages mean fewer TLB misses when attention reads
+    scattered blocks.
     """
     count = math.prod(shape)
     nbytes = count * torch.empty((), dtype=dtype).element_size()
@@ -47,4 +50,7 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         buffer.madvise(mmap.MADV_HUGEPAGE)
     if count == 0:
         return torch.empty(shape, dtype=dtype)
+    # One write per huge page commits the memory now (the OS zeroes whole 2 MiB pages, far
+    # faster than filling 4 KiB ones) instead of in page faults while serving.
+    torch.frombuffer(buffer, dtype=torch.uint8)[:: _HUGE_PAGE].zero_()
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
