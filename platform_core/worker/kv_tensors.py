@@ -44,12 +44,11 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     scattered blocks.
     """
     count = math.prod(shape)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, max(nbytes, 1))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
     if count == 0:
         return torch.empty(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, count * torch.empty((), dtype=dtype).element_size())
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
     # One write per huge page commits the memory now (the OS zeroes whole 2 MiB pages, far
     # faster than filling 4 KiB ones) instead of in page faults while serving.
     torch.frombuffer(buffer, dtype=torch.uint8)[:: _HUGE_PAGE].zero_()
