@@ -308,3 +308,15 @@ def test_metrics_follow_requests(client, base_url):
     assert after["platform_core_kv_cache_usage_perc"] == 0
     assert 0 <= after["platform_core_prefix_cache_hit_rate"] <= 1
     assert "platform_core_num_preemptions_total" in after
+
+
+def test_stream_events_stay_one_line_whatever_the_text_holds():
+    import json
+
+    from platform_core.entrypoints.openai.serving_base import sse_data
+
+    text = "line\u2028separator\x85next\u2029paragraph\nnewline"
+    event = sse_data(json.dumps({"text": text}, ensure_ascii=False))
+    lines = event.splitlines()  # how httpx, and so the OpenAI SDK, splits a stream into lines
+    assert lines[0].startswith("data: ") and lines[1:] == [""]
+    assert json.loads(lines[0][len("data: ") :]) == {"text": text}

@@ -234,6 +234,16 @@ def usage(finals: list[RequestOutput]) -> UsageInfo:
     )
 
 
+# Characters JSON may leave raw inside strings that line readers (Python's splitlines, which
+# httpx and so the OpenAI SDK use) treat as line breaks: escaped, an event stays one line.
+_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(json_text: str) -> str:
+    """One server-sent event carrying ``json_text``, on a single line whatever the text holds."""
+    return f"data: {json_text.translate(_LINE_BREAKS_IN_JSON)}\n\n"
+
+
 def event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
     """Server-sent events: one ``data: {json}`` per chunk, an error event if the stream breaks,
     then ``data: [DONE]``."""
@@ -242,7 +252,7 @@ def event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
         try:
             async with aclosing(chunks) as items:
                 async for chunk in items:
-                    yield f"data: {chunk.model_dump_json()}\n\n"
+                    yield sse_data(chunk.model_dump_json())
         except Exception as exc:  # the status line is sent already: report in-band
             yield error_event(exc)
         yield SSE_DONE
