@@ -67,3 +67,43 @@ def test_cache_entry_dies_with_its_weight() -> None:
 def test_backend_overrides_the_linear_op() -> None:
     ops = resolve_ops(CpuBackend().op_overrides())
     assert isinstance(ops.linear, PackedLinear)
+
+
+def _gemv():
+    from platform_core_cpu.kernels import load_kernels
+
+    ops = load_kernels().ops
+    if ops is None or not ops.gemv_supported():
+        pytest.skip("the compiled GEMV needs the CPU kernels and AVX512-BF16")
+    return ops.gemv_bf16
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 64), (97, 70), (5, 1536), (2816, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_compiled_gemv_matches_f_linear(n: int, k: int, bias: bool) -> None:
+    gemv = _gemv()
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(1, k, generator=gen).to(torch.bfloat16)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got = gemv(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+    torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+def test_one_row_goes_to_the_gemv_and_more_rows_to_onednn() -> None:
+    gemv = _gemv()
+    calls = []
+
+    def counting(x, weight, bias):
+        calls.append(x.shape[0])
+        return gemv(x, weight, bias)
+
+    linear = PackedLinear(counting)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=gen).to(torch.bfloat16)
+    one, many = (torch.randn(rows, 32, generator=gen).to(torch.bfloat16) for rows in (1, 4))
+    _close(linear(one, w), F.linear(one, w))
+    _close(linear(many, w), F.linear(many, w))
+    assert calls == [1]

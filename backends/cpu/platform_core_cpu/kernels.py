@@ -4,7 +4,8 @@ The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension`` int
 under ``$PLATFORM_CORE_CACHE/kernels`` (default ``~/.cache/platform-core/kernels``) named by a hash
 of the sources, the compiler flags, the torch version and the host CPU, so a build is reused by
 every later process and a changed source or machine gets a fresh one. The ops are registered as
-``torch.ops.platform_core_cpu.{paged_attention, write_kv, rms_norm, silu_and_mul, rotary}``.
+``torch.ops.platform_core_cpu.{paged_attention, write_kv, rms_norm, silu_and_mul, rotary,
+gemv_bf16, gemv_supported}``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 logger = logging.getLogger("platform_core_cpu")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.cpp", "write_kv.cpp", "layer_ops.cpp", "ops.cpp")
+SOURCES = ("paged_attention.cpp", "write_kv.cpp", "layer_ops.cpp", "gemv.cpp", "ops.cpp")
 HEADERS = ("cpu_kernels.h", "vec_math.h")
 # -march=native is safe because the build key includes the host CPU's identity.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

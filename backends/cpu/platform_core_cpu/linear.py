@@ -4,13 +4,16 @@
 small batches of decode that costs about as much as the matmul (measured: packed is 1.5-2.4x
 faster at batch 1-8, equal at 256). :class:`PackedLinear` packs each weight the
 first time it is used and reuses the packed copy while the weight is unchanged (same tensor
-object, storage and in-place version), so a reloaded weight is packed again. Other dtypes, and
-torch builds without oneDNN, take ``F.linear`` unchanged.
+object, storage and in-place version), so a reloaded weight is packed again. A single
+activation row, given a ``gemv`` (the CPU backend's compiled AVX512-BF16 one), skips oneDNN for
+weights up to 16 MiB. Other dtypes, and torch builds without oneDNN, take ``F.linear``
+unchanged.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +21,20 @@ import torch.nn.functional as F
 
 # Batch size the packed layout is tuned for; any batch size computes correctly with it.
 _PACK_BATCH_HINT = 32
+# A single activation row with a weight up to this size goes to the compiled GEMV instead:
+# batch-1 decode on SmolLM2 17.0 vs 19.0 ms per token (benchmarks/RESULTS.md). oneDNN keeps
+# larger weights (a vocabulary head), which it streams from memory as fast.
+_GEMV_MAX_WEIGHT_BYTES = 16 << 20
+
+
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.stride(-1) == 1
+        and weight.is_contiguous()
+        and weight.numel() * weight.element_size() <= _GEMV_MAX_WEIGHT_BYTES
+    )
 
 
 def packed_linear_available() -> bool:
@@ -42,14 +59,17 @@ class PackedLinear:
     entries go away with their weight.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gemv: Callable[..., torch.Tensor] | None = None) -> None:
         self._cache: dict[int, _Packed] = {}
+        self._gemv = gemv
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or weight.requires_grad:
             return F.linear(x, weight, bias)
+        if self._gemv is not None and _gemv_fits(x, weight):
+            return self._gemv(x, weight, bias)
         packed = self._packed(weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

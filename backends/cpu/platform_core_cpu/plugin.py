@@ -66,15 +66,17 @@ class CpuBackend(Backend):
         return TorchDistributedCommunicator(group=group, device=self.device)
 
     def op_overrides(self) -> dict[str, Any]:
-        """bf16 linears through weights pre-packed for oneDNN (other dtypes are unchanged), and
-        the compiled fused RMS norm, SiLU-and-multiply and rotary unless on the torch path."""
+        """bf16 linears through weights pre-packed for oneDNN (one-row ones through the compiled
+        GEMV where the CPU has AVX512-BF16; other dtypes are unchanged), and the compiled fused
+        RMS norm, SiLU-and-multiply and rotary, unless on the torch path."""
         from platform_core_cpu.layer_ops import fused_layer_ops
         from platform_core_cpu.linear import PackedLinear, packed_linear_available
 
         overrides: dict[str, Any] = {}
-        if packed_linear_available():
-            overrides["linear"] = PackedLinear()
         compiled = self.attention.compiled_ops()
+        if packed_linear_available():
+            has_gemv = compiled is not None and compiled.gemv_supported()
+            overrides["linear"] = PackedLinear(compiled.gemv_bf16 if has_gemv else None)
         if compiled is not None:
             overrides.update(fused_layer_ops(compiled))
         return overrides

@@ -27,6 +27,13 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cos,
             const at::Tensor& sin);
 
+// x [1, K] times weight [N, K]^T (+ bias) in bf16 with fp32 sums (AVX512-BF16 CPUs only).
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight,
+                     const c10::optional<at::Tensor>& bias);
+
+// Whether gemv_bf16 was compiled for this CPU.
+bool gemv_supported();
+
 // Element conversions written on raw bits so that loops over them vectorize.
 template <typename T>
 inline float to_float(T x) {

@@ -13,6 +13,9 @@ TORCH_LIBRARY(platform_core_cpu, m) {
         &platform_core_cpu::write_kv);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &platform_core_cpu::rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &platform_core_cpu::silu_and_mul);
+  m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+        &platform_core_cpu::gemv_bf16);
+  m.def("gemv_supported() -> bool", &platform_core_cpu::gemv_supported);
   m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
         &platform_core_cpu::rotary);
 }
