@@ -137,10 +137,7 @@ void attend_block(int64_t r, int64_t count, const T* keys, const Geometry& g, Sc
                        g.padded_head);
 }
 
-// Blocks ahead of the one in use whose K/V rows are asked for (scattered blocks defeat the
-// hardware prefetchers).
-constexpr int64_t kPrefetchBlocks = 1;
-
+// Asks for block `blk` of a sequence's table ahead of use, if the sequence reaches it.
 template <typename T>
 void prefetch_table_block(const int32_t* table, int64_t blk, int64_t kv_len, int64_t kv_head,
                           const Geometry& g, const Batch<T>& b) {
@@ -189,11 +186,10 @@ void run_item(const WorkItem& item, const Geometry& g, const Batch<T>& b, Scratc
       prefetch_table_block(table, blk, kv_len, h, g, b);
     }
   };
-  for (int64_t ahead = 1; ahead < kPrefetchBlocks; ++ahead) prefetch(ahead);
   for (int64_t blk = 0; blk * g.block_size < kv_len; ++blk) {
     const int64_t block_start = blk * g.block_size;
     const int64_t valid = std::min(g.block_size, kv_len - block_start);
-    prefetch(blk + kPrefetchBlocks);
+    prefetch(blk + 1);
     // The item's heads of one block lie side by side: read them in order.
     for (int64_t h = 0; h < heads; ++h) {
       const T* keys =
