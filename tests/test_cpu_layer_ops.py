@@ -96,7 +96,28 @@ def test_unsupported_inputs_take_the_default_ops(fused):
     assert_matches(mixed[0], apply_rotary(q, k, cos.double(), sin.double())[0])
 
 
+def test_compiled_argmax_answers_as_torch_does(fused):
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(256, 32000), (3, 7), (5, 16), (2, 49153)]:
+        x = torch.randn(shape, generator=gen)
+        assert torch.equal(fused["argmax"](x), x.argmax(dim=-1))
+    x = torch.randn(7, 40, generator=gen)
+    x[0] = float("-inf")  # all equal: the first index
+    x[1, 5] = x[1, 30] = 100.0  # a tie: the first one
+    x[2, 7] = x[2, 3] = float("nan")  # NaN counts as maximal: the first NaN
+    x[3, 38] = float("nan")  # in the tail past the vector part
+    x[4] = 1.0
+    x[5, 17] = x[5, 33] = float("inf")
+    x[6, 39] = 1e30  # the maximum in the tail
+    assert torch.equal(fused["argmax"](x), x.argmax(dim=-1))
+    half = x.to(torch.bfloat16)  # other dtypes: torch's argmax
+    assert torch.equal(fused["argmax"](half), half.argmax(dim=-1))
+
+
+FUSED = {"rms_norm", "silu_and_mul", "rotary", "argmax"}
+
+
 def test_backend_offers_the_fused_ops_unless_on_the_torch_path(monkeypatch):
-    assert {"rms_norm", "silu_and_mul", "rotary"} <= set(CpuBackend().op_overrides())
+    assert set(CpuBackend().op_overrides()) >= FUSED
     monkeypatch.setenv("PLATFORM_CORE_CPU_KERNEL", "torch")
-    assert not {"rms_norm", "silu_and_mul", "rotary"} & set(CpuBackend().op_overrides())
+    assert not FUSED & set(CpuBackend().op_overrides())

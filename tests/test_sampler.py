@@ -49,6 +49,21 @@ def test_greedy_and_equivalents():
             assert sample(LOGITS, [params], seed).token_ids == [greedy], params
 
 
+def test_the_backends_argmax_picks_greedy_and_sampled_tokens():
+    calls = []
+
+    def reversed_argmax(x):  # the last maximal index: visibly not torch's answer on ties
+        calls.append(tuple(x.shape))
+        return x.shape[1] - 1 - x.flip(-1).argmax(dim=-1)
+
+    tied = torch.tensor([[3.0, 1.0, 3.0, 0.0]])
+    sampler = Sampler(torch.Generator().manual_seed(0), argmax=reversed_argmax)
+    assert sampler(tied, meta_for([SamplingParams(temperature=0.0)])).token_ids == [2]
+    assert calls == [(1, 4)]
+    sampler(tied, meta_for([SamplingParams(temperature=0.8, seed=1)]))
+    assert len(calls) == 3  # greedy candidates, then the exponential race
+
+
 def test_top_k_and_top_p_masks():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     masked = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))

@@ -6,6 +6,7 @@ Names and signatures:
 - ``"rotary"``: :data:`platform_core.layers.rotary.RotaryFn`
 - ``"silu_and_mul"``: :data:`platform_core.layers.activation.SiluAndMulFn`
 - ``"linear"``: :data:`platform_core.layers.linear.LinearFn` (``F.linear``'s signature)
+- ``"argmax"``: :data:`platform_core.sample.sampler.ArgmaxFn` (the sampler's row argmax)
 """
 
 from __future__ import annotations
@@ -21,20 +22,22 @@ from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
 from platform_core.layers.linear import LinearFn
 from platform_core.layers.norm import RmsNormFn, rms_norm
 from platform_core.layers.rotary import RotaryFn, apply_rotary
+from platform_core.sample.sampler import ArgmaxFn, row_argmax
 
 logger = logging.getLogger(__name__)
 
-OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear")
+OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear", "argmax")
 
 
 @dataclass(frozen=True, slots=True)
 class LayerOps:
-    """The op implementations every layer of one model uses."""
+    """The op implementations every layer of one model, and its sampler, use."""
 
     rms_norm: RmsNormFn = rms_norm
     rotary: RotaryFn = apply_rotary
     silu_and_mul: SiluAndMulFn = silu_and_mul
     linear: LinearFn = F.linear
+    argmax: ArgmaxFn = row_argmax
 
 
 def resolve_ops(overrides: Mapping[str, Callable[..., Any]] | None) -> LayerOps:

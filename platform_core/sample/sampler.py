@@ -7,6 +7,7 @@ generator, so its samples do not depend on the rest of the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,19 +34,33 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
+"""``argmax(x) -> Tensor``: ``torch.argmax(x, dim=-1)`` of float32 ``[rows, vocab]`` (the first
+maximal index; a NaN counts as maximal), int64 ``[rows]``."""
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Default argmax op: torch's."""
+    return x.argmax(dim=-1)
+
+
 class Sampler:
     """Turns float32 logits ``[rows, vocab]`` into one token id per row.
 
     The steps are public so speculative verification can reuse them: ``process`` (masks, biases,
-    penalties), ``probabilities`` (temperature, min-p, top-k, top-p) and ``draw``.
+    penalties), ``probabilities`` (temperature, min-p, top-k, top-p) and ``draw``. ``argmax`` is
+    the backend's row argmax (an op override) or torch's.
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, argmax: ArgmaxFn = row_argmax
+    ) -> None:
         self.generator = generator
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         processed = self.process(logits, meta)
-        tokens = processed.argmax(dim=-1)
+        tokens = self.argmax(processed)
         if not meta.all_greedy:
             sampled = self.draw(self.probabilities(processed, meta), meta.generators)
             tokens = torch.where(meta.greedy_rows, tokens, sampled)
@@ -74,7 +89,7 @@ class Sampler:
         for row, generator in enumerate(generators):
             if generator is not None:
                 noise[row].exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
+        return self.argmax(probs / noise)
 
     def uniform(self, generator: torch.Generator | None) -> float:
         """A uniform draw in [0, 1) from ``generator`` (or the engine-wide one)."""

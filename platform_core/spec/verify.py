@@ -38,7 +38,7 @@ def verify(
 ) -> list[list[int]]:
     """The accepted tokens (drafts kept plus one target token) of every group."""
     processed = sampler.process(logits, meta)
-    greedy_tokens = processed.argmax(dim=-1).tolist()
+    greedy_tokens = sampler.argmax(processed).tolist()
     probs = None if meta.all_greedy else sampler.probabilities(processed, meta)
     greedy = meta.greedy_rows.tolist()
     results = []

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from platform_core.config import EngineConfig
+from platform_core.layers.ops import resolve_ops
 from platform_core.plugins.interfaces import Backend, MemoryReport
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -61,18 +62,20 @@ class ModelRunner:
         self.config = config
         self.backend = backend
         self.dtype = dtype
+        overrides = backend.op_overrides()
         self.model = load_model(
             model_dir,
             hf_config,
             dtype,
             backend.device,
             backend.attention,
-            backend.op_overrides(),
+            overrides,
             **({} if tp is None else {"tp": tp}),
         )
         self.block_size = config.cache.block_size
         self.input_builder = InputBuilder(self.block_size, backend.device)
-        self.step_sampler = StepSampler(config.model.seed, eos_token_ids)
+        argmax = resolve_ops(overrides).argmax
+        self.step_sampler = StepSampler(config.model.seed, eos_token_ids, argmax)
         self.kv_caches: list[torch.Tensor] = []
         #: the backend's graph runner wrapping the model's forward, when it made one
         self.graph_runner: Callable[..., torch.Tensor] | None = None

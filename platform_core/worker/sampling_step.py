@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
-from platform_core.sample.sampler import Sampler, compute_logprobs
+from platform_core.sample.sampler import ArgmaxFn, Sampler, compute_logprobs, row_argmax
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from platform_core.spec.verify import DraftGroup, verify
 from platform_core.worker.step_plan import StepPlan
@@ -14,10 +14,12 @@ from platform_core.worker.step_plan import StepPlan
 class StepSampler:
     """Samples (and verifies drafts) for the requests of a step; owns per-request generators."""
 
-    def __init__(self, seed: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, seed: int, eos_token_ids: frozenset[int], argmax: ArgmaxFn = row_argmax
+    ) -> None:
         generator = torch.Generator()
         generator.manual_seed(seed)
-        self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator, argmax)
         self.generators = GeneratorStore()
         self.eos_token_ids = eos_token_ids
 

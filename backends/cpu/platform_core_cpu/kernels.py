@@ -5,7 +5,7 @@ under ``$PLATFORM_CORE_CACHE/kernels`` (default ``~/.cache/platform-core/kernels
 of the sources, the compiler flags, the torch version and the host CPU, so a build is reused by
 every later process and a changed source or machine gets a fresh one. The ops are registered as
 ``torch.ops.platform_core_cpu.{paged_attention, write_kv, rms_norm, silu_and_mul, rotary,
-gemv_bf16, gemv_supported}``.
+gemv_bf16, gemv_supported, argmax_rows}``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,14 @@ import torch
 logger = logging.getLogger("platform_core_cpu")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_attention.cpp", "write_kv.cpp", "layer_ops.cpp", "gemv.cpp", "ops.cpp")
+SOURCES = (
+    "paged_attention.cpp",
+    "write_kv.cpp",
+    "layer_ops.cpp",
+    "gemv.cpp",
+    "argmax.cpp",
+    "ops.cpp",
+)
 HEADERS = ("cpu_kernels.h", "vec_math.h")
 # -march=native is safe because the build key includes the host CPU's identity.
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

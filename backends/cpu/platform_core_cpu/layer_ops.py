@@ -1,4 +1,5 @@
-"""Fused RMS norm, SiLU-and-multiply and rotary from the compiled kernels, as op overrides.
+"""Fused RMS norm, SiLU-and-multiply and rotary, and a vectorized row argmax for the sampler,
+from the compiled kernels, as op overrides.
 
 Each fused op reads its input once instead of running a chain of torch ops (four to six passes
 and temporaries each); results round where the unfused ops round. Inputs the kernels do not take
@@ -15,6 +16,7 @@ import torch
 from platform_core.layers.activation import silu_and_mul
 from platform_core.layers.norm import rms_norm
 from platform_core.layers.rotary import apply_rotary
+from platform_core.sample.sampler import row_argmax
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -24,8 +26,8 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 
 def fused_layer_ops(ops: Any) -> dict[str, Callable[..., Any]]:
-    """``rms_norm``, ``silu_and_mul`` and ``rotary`` overrides over the compiled ``ops``
-    namespace (``torch.ops.platform_core_cpu``)."""
+    """``rms_norm``, ``silu_and_mul``, ``rotary`` and ``argmax`` overrides over the compiled
+    ``ops`` namespace (``torch.ops.platform_core_cpu``)."""
 
     def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if weight.dtype != x.dtype:
@@ -51,8 +53,14 @@ def fused_layer_ops(ops: Any) -> dict[str, Callable[..., Any]]:
         ops.rotary(query, key, cos, sin)
         return query, key
 
+    def compiled_argmax(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
+            return ops.argmax_rows(x)
+        return row_argmax(x)
+
     return {
         "rms_norm": fused_rms_norm,
         "silu_and_mul": fused_silu_and_mul,
         "rotary": fused_rotary,
+        "argmax": compiled_argmax,
     }

@@ -34,6 +34,9 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight,
 // Whether gemv_bf16 was compiled for this CPU.
 bool gemv_supported();
 
+// torch.argmax(x, dim=-1) for float32 x [rows, n] with contiguous rows; int64 [rows].
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // Element conversions written on raw bits so that loops over them vectorize.
 template <typename T>
 inline float to_float(T x) {

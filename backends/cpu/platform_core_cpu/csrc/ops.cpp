@@ -16,6 +16,7 @@ TORCH_LIBRARY(platform_core_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
         &platform_core_cpu::gemv_bf16);
   m.def("gemv_supported() -> bool", &platform_core_cpu::gemv_supported);
+  m.def("argmax_rows(Tensor x) -> Tensor", &platform_core_cpu::argmax_rows);
   m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
         &platform_core_cpu::rotary);
 }
