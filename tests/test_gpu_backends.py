@@ -24,8 +24,6 @@ cuda_plugin = pytest.importorskip(
     "platform_core_cuda.plugin", reason="pip install -e backends/cuda"
 )
 cuda_probe = pytest.importorskip("platform_core_cuda.probe")
-buckets = pytest.importorskip("platform_core_cuda.graph_buckets")
-graph_runner = pytest.importorskip("platform_core_cuda.graph_runner")
 rocm_plugin = pytest.importorskip(
     "platform_core_rocm.plugin", reason="pip install -e backends/rocm"
 )
@@ -35,7 +33,6 @@ xpu_probe = pytest.importorskip("platform_core_xpu.probe")
 
 HAS_CUDA = torch.cuda.is_available() and torch.version.cuda is not None
 HAS_ACCELERATOR = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
-cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU and a CUDA build of torch")
 
 
 # --- probing on this machine -------------------------------------------------------------

@@ -18,18 +18,10 @@ from platform_core.kernels.device_memory import CachingAllocatorProfiler
 cuda_plugin = pytest.importorskip(
     "platform_core_cuda.plugin", reason="pip install -e backends/cuda"
 )
-cuda_probe = pytest.importorskip("platform_core_cuda.probe")
 buckets = pytest.importorskip("platform_core_cuda.graph_buckets")
 graph_runner = pytest.importorskip("platform_core_cuda.graph_runner")
-rocm_plugin = pytest.importorskip(
-    "platform_core_rocm.plugin", reason="pip install -e backends/rocm"
-)
-rocm_probe = pytest.importorskip("platform_core_rocm.probe")
-xpu_plugin = pytest.importorskip("platform_core_xpu.plugin", reason="pip install -e backends/xpu")
-xpu_probe = pytest.importorskip("platform_core_xpu.probe")
 
 HAS_CUDA = torch.cuda.is_available() and torch.version.cuda is not None
-HAS_ACCELERATOR = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU and a CUDA build of torch")
 
 
