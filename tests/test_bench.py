@@ -278,7 +278,8 @@ def test_null_model_overhead(tiny_model_dir):
     llm = build_null_llm(str(tiny_model_dir("llama")), max_running=4, max_len=64, block_size=8)
     model = llm.engine.runner.model
     assert isinstance(model, NullModel)
-    favourite = int(model.logits_row.argmax())
+    favourite = model.favourite
+    assert (model.logits.argmax(dim=-1) == favourite).all()
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     out = llm.generate({"prompt_token_ids": [3, 4, 5]}, params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == [favourite] * 3

@@ -18,3 +18,24 @@ def test_reset_prefix_cache_through_the_llm(tiny_model_dir):
     assert llm.reset_prefix_cache()
     llm.generate(prompt, params, use_tqdm=False)
     assert llm.stats()["prefix_cache_hit_tokens"] == hits  # nothing found after the reset
+
+
+def test_requests_without_stream_report_only_when_finished(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=6, ignore_eos=True)
+    prompt = list(range(3, 20))
+    engine.add_request("live", None, params, prompt_token_ids=prompt)
+    engine.add_request("final", None, params, prompt_token_ids=prompt, stream=False)
+    seen: dict[str, list] = {"live": [], "final": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert len(seen["live"]) == 6  # one output per generated token
+    [final] = seen["final"]
+    assert final.finished and final.metrics.first_token_time is not None
+    # Same seed, same prompt: the unstreamed request ends exactly where the streamed one does.
+    live_last = seen["live"][-1]
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in live_last.outputs]
+    assert all(len(c.token_ids) == 6 for c in final.outputs)
+    assert llm.stats()["num_running"] == 0

@@ -1,13 +1,15 @@
 """Engine overhead per step, with the model replaced by one that costs nothing.
 
 ``NullModel`` has the attributes the runner reads and answers instantly: zero hidden states and
-one fixed logits row for every sampled request. What remains of a step is the engine's own work,
-timed by phase: ``schedule`` (``Scheduler.schedule``), ``plan`` (host-side input building,
-``ModelRunner.plan``), ``forward`` (moving inputs to the device, the null forward and the logits
-copy, ``ModelRunner.forward``), ``sample`` (``ModelRunner.step_sampler``), ``update``
+logits rows it made once (distinct memory per row, so the sampler scans as many bytes as it would
+behind a real head; every row's maximum is the same token). What remains of a step is the
+engine's own work, timed by phase: ``schedule`` (``Scheduler.schedule``), ``plan`` (host-side
+input building, ``ModelRunner.plan``), ``forward`` (moving inputs to the device and the null
+forward, ``ModelRunner.forward``), ``sample`` (``ModelRunner.step_sampler``), ``update``
 (``Scheduler.update``) and ``other``: the rest of ``LLMEngine.step`` (deadline checks, building
 outputs, detokenizing when the model has a tokenizer). Steps are timed once all ``N`` requests are
-running and decoding, so each step is exactly ``N`` decode tokens.
+running and decoding, so each step is exactly ``N`` decode tokens. ``--final-outputs-only`` adds
+the requests as ``LLM.generate`` does (no per-step outputs).
 
 Run: ``python -m platform_core.bench.overhead [--model DIR] [--batch-sizes 32,128,256]``.
 Without ``--model`` a one-layer random Llama with a 32000-token vocabulary is built (the vocabulary
@@ -35,14 +37,25 @@ PHASES = ("schedule", "plan", "forward", "sample", "update")
 
 
 class NullModel(torch.nn.Module):
-    """A stand-in for a ``CausalLM``: same shape attributes, no compute, fixed logits."""
+    """A stand-in for a ``CausalLM``: same shape attributes, no compute, logits made once.
 
-    def __init__(self, like: Any, seed: int = 0) -> None:
+    Writing the logits is the model's cost, not the engine's, so ``compute_logits`` returns rows
+    of a buffer filled at start (the sampler never writes into its input). ``favourite`` is the
+    greedy token of every row.
+    """
+
+    def __init__(self, like: Any, max_rows: int = 256, seed: int = 0) -> None:
         super().__init__()
         for name in ("num_layers", "num_heads", "num_kv_heads", "head_size", "vocab_size"):
             setattr(self, name, getattr(like, name))
-        gen = torch.Generator().manual_seed(seed)
-        self.logits_row = torch.randn(1, self.vocab_size, generator=gen)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.favourite = int(torch.randint(self.vocab_size, (), generator=self.generator))
+        self.logits = self._make_rows(max_rows)
+
+    def _make_rows(self, rows: int) -> torch.Tensor:
+        logits = torch.randn(rows, self.vocab_size, generator=self.generator)
+        logits[:, self.favourite] = logits.max() + 1.0
+        return logits
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, metadata: Any
@@ -50,14 +63,25 @@ class NullModel(torch.nn.Module):
         return torch.zeros(input_ids.shape[0], 1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # A fresh tensor per call, as a real head returns; the sampler may work in place.
-        return self.logits_row.expand(hidden.shape[0], -1).clone()
+        rows = hidden.shape[0]
+        if rows > self.logits.shape[0]:
+            self.logits = self._make_rows(rows)
+        return self.logits[:rows]
 
 
 def measure_overhead(
-    llm: Any, num_running: int, num_steps: int = 50, prompt_len: int = 32, seed: int = 0
+    llm: Any,
+    num_running: int,
+    num_steps: int = 50,
+    prompt_len: int = 32,
+    seed: int = 0,
+    stream: bool = True,
 ) -> dict[str, Any]:
-    """Per-step times (ms) at ``num_running`` decoding requests (the engine holds a NullModel)."""
+    """Per-step times (ms) at ``num_running`` decoding requests (the engine holds a NullModel).
+
+    ``stream`` as in ``LLMEngine.add_request``: True builds every request's output each step
+    (a streaming server), False only final ones (``LLM.generate``).
+    """
     engine = llm.engine
     tokens = TokenSpace.from_tokenizer(engine.tokenizer, engine.vocab_size)
     requests = random_requests(
@@ -69,7 +93,9 @@ def measure_overhead(
     ids = []
     for request in requests:
         ids.append(engine.new_request_id())
-        engine.add_request(ids[-1], None, params, prompt_token_ids=request.prompt_token_ids)
+        engine.add_request(
+            ids[-1], None, params, prompt_token_ids=request.prompt_token_ids, stream=stream
+        )
     scheduler = engine.scheduler
     while scheduler.waiting or any(
         r.num_tokens - r.num_computed_tokens > 1 for r in scheduler.running
@@ -141,7 +167,7 @@ def build_null_llm(model: str | None, max_running: int, max_len: int, block_size
         max_num_batched_tokens=max(2048, max_running),
         enable_prefix_caching=False,
     )
-    llm.engine.runner.model = NullModel(llm.engine.runner.model)
+    llm.engine.runner.model = NullModel(llm.engine.runner.model, max_running)
     return llm
 
 
@@ -153,12 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-steps", type=int, default=50)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--final-outputs-only",
+        action="store_true",
+        help="requests report only when finished (as LLM.generate) instead of every step",
+    )
     parser.add_argument("--save-result", metavar="FILE")
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.num_steps + 2 * max(sizes) + 1
     llm = build_null_llm(args.model, max(sizes), max_len, args.block_size)
-    rows = [measure_overhead(llm, n, args.num_steps, args.prompt_len) for n in sizes]
+    stream = not args.final_outputs_only
+    rows = [measure_overhead(llm, n, args.num_steps, args.prompt_len, 0, stream) for n in sizes]
     print(
         "| running | step ms mean | step ms p99 | us/request | schedule | plan "
         "| forward (null) | sample | update | other |"

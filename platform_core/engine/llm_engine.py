@@ -1,7 +1,8 @@
 """The synchronous engine: ``add_request`` then ``step()`` until no request is left.
 
 ``step()`` runs one iteration of schedule -> execute -> postprocess and returns a
-``RequestOutput`` for every request that produced tokens or finished in it.
+``RequestOutput`` for every request that produced tokens or finished in it (for a request added
+with ``stream=False``, only when it finishes).
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         deadline: float | None = None,
+        stream: bool = True,
     ) -> None:
         """Validate and queue one request.
 
         Raises ``InvalidRequestError`` if it cannot run and ``QueueFullError`` when the waiting
         queue is full. ``deadline`` (a ``time.monotonic()`` value) aborts the request with an
-        error once passed, wherever it is.
+        error once passed, wherever it is. With ``stream=False`` ``step()`` reports the request
+        only when it finishes (building an output every step costs time at large batches).
         """
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -109,7 +112,9 @@ class LLMEngine:
             cache_salt=cache_salt,
             pending_fork_ids=[f"{request_id}#{i}" for i in range(1, params.n)],
         )
-        state = RequestState(request_id, prompt, prompt_token_ids, params, RequestMetrics(now))
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, RequestMetrics(now), stream=stream
+        )
         state.samples.append(self._sample_state(request, 0))
         self.scheduler.add_request(request)
         self._requests[request_id] = state
@@ -231,6 +236,8 @@ class LLMEngine:
         for state in touched.values():
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+            if not state.stream and not state.finished:
+                continue
             output = state.output()
             if output.finished:
                 state.metrics.finished_time = now

@@ -106,7 +106,10 @@ class SampleState:
 
 @dataclass(slots=True)
 class RequestState:
-    """A user request: its samples (``n`` of them once forked) and prompt-side results."""
+    """A user request: its samples (``n`` of them once forked) and prompt-side results.
+
+    ``stream`` is False when the caller wants only the final output.
+    """
 
     request_id: str
     prompt: str | None
@@ -115,6 +118,7 @@ class RequestState:
     metrics: RequestMetrics
     samples: list[SampleState] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    stream: bool = True
 
     @property
     def sample_ids(self) -> list[str]:

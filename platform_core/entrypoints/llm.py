@@ -100,14 +100,16 @@ class LLM:
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         request_id = self.engine.new_request_id()
+        # generate() returns final outputs only: the engine need not build one every step.
         if isinstance(prompt, str):
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, stream=False)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             self.engine.add_request(
                 request_id,
                 prompt.get("prompt"),
                 params,
                 prompt_token_ids=prompt["prompt_token_ids"],
+                stream=False,
             )
         else:
             raise InvalidRequestError(

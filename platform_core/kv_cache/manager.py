@@ -65,8 +65,12 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
-        cached_blocks = cached_blocks or []
         held = self._blocks.get(request.request_id, [])
+        if not cached_blocks:
+            # The common decode step: the blocks held already have room.
+            if len(held) * self.block_size >= request.num_computed_tokens + num_new_tokens:
+                return True
+            cached_blocks = []
         num_cached_tokens = len(cached_blocks) * self.block_size
         total = request.num_computed_tokens + num_cached_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(held) - len(cached_blocks)

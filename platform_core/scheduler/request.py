@@ -26,19 +26,23 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        # By value: hashing an enum member runs Python code, a string's does not.
+        return self._value_ in _FINISHED_VALUES
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
 
 
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-    RequestStatus.FINISHED_ERROR,
-}
+_FINISHED_VALUES = frozenset(
+    s.value
+    for s in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    )
+)
 
 
 @dataclass(eq=False, slots=True)
@@ -107,14 +111,15 @@ class Request:
         EOS and stop tokens count only once ``min_tokens`` are out; the length limit always does.
         """
         last = self.output_token_ids[-1]
+        num_output_tokens = len(self.output_token_ids)
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens:
+        if num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -105,11 +105,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             uncomputed = request.num_tokens - request.num_computed_tokens
-            if uncomputed == 1 and budget > 1:
-                request.spec_token_ids = request.spec_token_ids[: budget - 1]
-            else:
-                request.spec_token_ids = []
-            num_new = min(uncomputed + len(request.spec_token_ids), budget)
+            drafts = request.spec_token_ids
+            if drafts:
+                drafts = drafts[: budget - 1] if uncomputed == 1 and budget > 1 else []
+                request.spec_token_ids = drafts
+            num_new = min(uncomputed + len(drafts), budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -129,8 +129,9 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
 
+        describe = self._describe
         output = SchedulerOutput(
-            scheduled=[self._describe(r, n) for r, n in scheduled],
+            scheduled=[describe(r, n) for r, n in scheduled],
             preempted_ids=[r.request_id for r in preempted],
             finished_ids=self._finished_ids,
             block_copies=self._block_copies,
@@ -138,7 +139,7 @@ class Scheduler:
         self._finished_ids = []
         self._block_copies = []
         self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += output.total_num_tokens
+        self.stats.num_scheduled_tokens += sum(n for _, n in scheduled)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
         return output
 
@@ -194,26 +195,28 @@ class Scheduler:
         """Advance the scheduled requests by the executed step; return those that finished."""
         finished: list[Request] = []
         self.new_forks = {}
+        requests, sampled, running = self.requests, runner_output.sampled, RequestStatus.RUNNING
+        cache_computed_blocks, append_tokens = self.kv.cache_computed_blocks, self._append_tokens
         for item in output.scheduled:
-            request = self.requests.get(item.request_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(item.request_id)
+            if request is None or request.status is not running:
                 continue  # aborted while the step ran
-            tokens = runner_output.sampled.get(item.request_id)
+            tokens = sampled.get(item.request_id)
+            num_drafts = item.num_draft_tokens
             # KV of rejected drafts is garbage: it is neither counted as computed nor cached.
-            rejected = item.num_draft_tokens - (len(tokens) - 1) if tokens else 0
-            request.num_computed_tokens += item.num_tokens - rejected
-            if item.num_draft_tokens:
-                self._record_verification(request, item.num_draft_tokens, rejected)
+            rejected = num_drafts - (len(tokens) - 1) if tokens and num_drafts else 0
+            request.num_computed_tokens += len(item.token_ids) - rejected
+            if num_drafts:
+                self._record_verification(request, num_drafts, rejected)
             if not tokens:
-                self.kv.cache_computed_blocks(request)
+                cache_computed_blocks(request)
                 continue
-            new_samples = [(request, tokens)]
+            outcomes = [(request, append_tokens(request, tokens))]
             if item.fork_ids:
                 children = self._fork(request, item.fork_ids)
-                new_samples += [(c, runner_output.sampled[c.request_id]) for c in children]
-            outcomes = [(sample, self._append_tokens(sample, toks)) for sample, toks in new_samples]
+                outcomes += [(c, append_tokens(c, sampled[c.request_id])) for c in children]
             # Accepted drafts are known tokens only now: publish blocks after appending.
-            self.kv.cache_computed_blocks(request)
+            cache_computed_blocks(request)
             for sample, status in outcomes:
                 if status is not None:
                     self._finish(sample, status)

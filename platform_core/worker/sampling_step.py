@@ -46,6 +46,24 @@ class StepSampler:
         self, requests: list[ScheduledRequest], logits: torch.Tensor, result: ModelRunnerOutput
     ) -> None:
         """Sample every request's next token(s): forks share a row, drafts are verified."""
+        if any(r.num_draft_tokens or r.fork_ids for r in requests):
+            self._sample_forks_and_drafts(requests, logits, result)
+            return
+        # One logits row per request, one token each.
+        rows = [
+            SampleRow(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
+            for r in requests
+        ]
+        meta = build_sampling_metadata(rows, self.generators, self.eos_token_ids, logits.device)
+        sampled = self.sampler(logits, meta)
+        result.sampled = {row.request_id: [t] for row, t in zip(rows, sampled.token_ids)}
+        for row, entry in zip(rows, sampled.logprobs):
+            if entry is not None:
+                result.logprobs[row.request_id] = [entry]
+
+    def _sample_forks_and_drafts(
+        self, requests: list[ScheduledRequest], logits: torch.Tensor, result: ModelRunnerOutput
+    ) -> None:
         rows: list[SampleRow] = []
         logits_rows: list[int] = []
         groups: list[DraftGroup] = []
