@@ -78,7 +78,9 @@ def _gemv():
     return ops.gemv_bf16
 
 
-@pytest.mark.parametrize(("n", "k"), [(96, 64), (97, 70), (5, 1536), (2816, 512)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(96, 64), (97, 70), (5, 1536), (2816, 512), (960, 576), (33, 200)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_gemv_matches_f_linear(n: int, k: int, bias: bool) -> None:
     gemv = _gemv()

@@ -5,8 +5,9 @@ small batches of decode that costs about as much as the matmul (measured: packed
 faster at batch 1-8, equal at 256). :class:`PackedLinear` packs each weight the
 first time it is used and reuses the packed copy while the weight is unchanged (same tensor
 object, storage and in-place version), so a reloaded weight is packed again. A single
-activation row, given a ``gemv`` (the CPU backend's compiled AVX512-BF16 one), skips oneDNN for
-weights up to 16 MiB. Other dtypes, and torch builds without oneDNN, take ``F.linear``
+activation row, given a ``gemv`` (the CPU backend's compiled AVX512-BF16 one), skips oneDNN: it
+streams weights faster (benchmarks/RESULTS.md: batch-1 decode on SmolLM2, and the 57 MB output
+head 2.2 vs 2.8 ms). Other dtypes, and torch builds without oneDNN, take ``F.linear``
 unchanged.
 """
 
@@ -21,20 +22,10 @@ import torch.nn.functional as F
 
 # Batch size the packed layout is tuned for; any batch size computes correctly with it.
 _PACK_BATCH_HINT = 32
-# A single activation row with a weight up to this size goes to the compiled GEMV instead:
-# batch-1 decode on SmolLM2 17.0 vs 19.0 ms per token (benchmarks/RESULTS.md). oneDNN keeps
-# larger weights (a vocabulary head), which it streams from memory as fast.
-_GEMV_MAX_WEIGHT_BYTES = 16 << 20
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and x.stride(-1) == 1
-        and weight.is_contiguous()
-        and weight.numel() * weight.element_size() <= _GEMV_MAX_WEIGHT_BYTES
-    )
+    return x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.is_contiguous()
 
 
 def packed_linear_available() -> bool:

