@@ -84,8 +84,8 @@ class CpuAttentionOps(AttentionOps):
         key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
         ops = self.compiled_ops()
         if ops is not None:
-            slots = slot_mapping.long().contiguous()
-            ops.write_kv(_rows_contiguous(key), _rows_contiguous(value), kv_cache, slots)
+            # The metadata's dtypes are the builder's contract; the kernels check them.
+            ops.write_kv(_rows_contiguous(key), _rows_contiguous(value), kv_cache, slot_mapping)
             return
         valid = slot_mapping >= 0
         slots = slot_mapping[valid].long()
@@ -112,9 +112,9 @@ class CpuAttentionOps(AttentionOps):
             ops.paged_attention(
                 _rows_contiguous(q),
                 kv_cache,
-                metadata.query_start_loc.int().contiguous(),
-                metadata.seq_lens.int().contiguous(),
-                metadata.block_tables.int().contiguous(),
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.block_tables,
                 scale,
                 out,
             )
