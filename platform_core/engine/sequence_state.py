@@ -50,6 +50,8 @@ class SampleState:
     def absorb(self, new_logprobs: list[TokenLogprobs], tokenizer: Any) -> str | None:
         """Take the request's new tokens; return the stop string they complete, if any."""
         params = self.request.sampling_params
+        if params.logprobs is None and self.detokenizer is None:
+            return None  # nothing to do with the tokens
         new_tokens = self.request.output_token_ids[self.num_seen_tokens :]
         self.num_seen_tokens = self.request.num_output_tokens
         if params.logprobs is not None:

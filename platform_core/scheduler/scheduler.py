@@ -144,6 +144,8 @@ class Scheduler:
         return output
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
+        if not self.waiting:
+            return budget
         seats = self.num_seats_taken
         while self.waiting and budget > 0:
             request = self.waiting[0]
@@ -174,21 +176,24 @@ class Scheduler:
     def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         drafts, draft_probs = request.spec_token_ids, request.spec_draft_probs
-        request.spec_token_ids, request.spec_draft_probs = [], None
-        known = num_new - len(drafts)
-        sample = start + known == request.num_tokens
+        if drafts or draft_probs is not None:
+            request.spec_token_ids, request.spec_draft_probs = [], None
+            draft_probs = None if draft_probs is None else draft_probs[: len(drafts)]
+        end = start + num_new - len(drafts)
+        sample = end == request.num_tokens
+        token_ids = request.token_ids_slice(start, end)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + known) + drafts,
+            token_ids=token_ids + drafts if drafts else token_ids,
             start_position=start,
             block_ids=self.kv.block_ids(request.request_id),
             sample=sample,
             sampling_params=request.sampling_params,
             output_token_ids=request.output_token_ids,
             prompt_token_ids=request.prompt_token_ids,
-            fork_ids=list(request.pending_fork_ids) if sample else [],
+            fork_ids=list(request.pending_fork_ids) if sample and request.pending_fork_ids else [],
             num_draft_tokens=len(drafts),
-            draft_probs=None if draft_probs is None else draft_probs[: len(drafts)],
+            draft_probs=draft_probs,
         )
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
