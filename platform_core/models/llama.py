@@ -138,7 +138,6 @@ class LlamaAttention(nn.Module):
         super().__init__()
         spec, dtype, tp = build.spec, build.dtype, build.tp
         heads = spec.heads_of_rank(tp.rank, tp.size)
-        self._sizes = (heads.q_rows.length, heads.kv_rows.length, heads.kv_rows.length)
         self._heads = (heads.num_heads, heads.num_kv_heads, spec.head_size)
         self.qkv_proj = ColumnParallelLinear(
             spec.hidden_size,
@@ -170,12 +169,9 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
         heads, kv_heads, head_size = self._heads
-        q, k, v = self.qkv_proj(hidden).split(self._sizes, dim=-1)
-        q = q.view(num_tokens, heads, head_size)
-        k = k.view(num_tokens, kv_heads, head_size)
-        v = v.view(num_tokens, kv_heads, head_size)
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], heads + 2 * kv_heads, head_size)
+        q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rotary(q, k, cos, sin)

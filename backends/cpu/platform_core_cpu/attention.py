@@ -81,7 +81,8 @@ class CpuAttentionOps(AttentionOps):
         slot_mapping: torch.Tensor,
     ) -> None:
         """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_size]``; ``-1`` slots skip."""
-        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        if key.dtype != kv_cache.dtype or value.dtype != kv_cache.dtype:
+            key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
         ops = self.compiled_ops()
         if ops is not None:
             # The metadata's dtypes are the builder's contract; the kernels check them.
@@ -104,7 +105,7 @@ class CpuAttentionOps(AttentionOps):
     ) -> torch.Tensor:
         """Causal GQA attention of ``query`` ``[num_tokens, num_heads, head_size]``."""
         ops = self.compiled_ops()
-        q = query.to(kv_cache.dtype)
+        q = query if query.dtype == kv_cache.dtype else query.to(kv_cache.dtype)
         if ops is None:
             out = torch_paged_attention(q, kv_cache, metadata, scale)
         else:
@@ -118,7 +119,7 @@ class CpuAttentionOps(AttentionOps):
                 scale,
                 out,
             )
-        return out.to(query.dtype)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:

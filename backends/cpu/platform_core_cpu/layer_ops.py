@@ -44,9 +44,11 @@ def fused_layer_ops(ops: Any) -> dict[str, Callable[..., Any]]:
     def fused_rotary(
         query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        tensors = (query, key, cos, sin)
-        fusable = query.dtype in FUSED_DTYPES and all(
-            t.dtype == query.dtype and t.stride(-1) == 1 for t in tensors
+        dtype = query.dtype
+        fusable = (
+            dtype in FUSED_DTYPES
+            and key.dtype == cos.dtype == sin.dtype == dtype
+            and query.stride(-1) == key.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
         )
         if not fusable:
             return apply_rotary(query, key, cos, sin)
