@@ -98,6 +98,33 @@ def test_prefix_cache_hits_skip_computed_tokens():
     assert s.kv.stats.hit_tokens == 16
 
 
+def test_request_waits_a_step_for_a_prefix_being_computed():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=64)
+    shared = list(range(16))
+    s.add_request(make_request("a", shared + [100], max_tokens=2))
+    request_b = make_request("b", shared + [200, 201], max_tokens=2)
+    s.add_request(request_b)
+    # Plenty of budget, but b's prompt is mostly blocks a computes in this step.
+    out, _ = run_step(s)
+    assert [r.request_id for r in out.scheduled] == ["a"]
+    out, _ = run_step(s)
+    b = next(r for r in out.scheduled if r.request_id == "b")
+    assert b.start_position == 16 and b.num_tokens == 2  # found cached instead of recomputed
+    assert s.kv.stats.hit_tokens == 16
+    drain(s)
+    assert request_b.output_token_ids == expected_output(shared + [200, 201], 2)
+
+
+def test_small_shared_part_or_no_caching_does_not_delay():
+    prompt_a, prompt_b = list(range(9)), list(range(4)) + list(range(50, 62))
+    for caching in (True, False):
+        s = make_scheduler(block_size=4, max_num_batched_tokens=64, prefix_caching=caching)
+        s.add_request(make_request("a", prompt_a))
+        s.add_request(make_request("b", prompt_b))  # one shared block out of four
+        out, _ = run_step(s)
+        assert [r.request_id for r in out.scheduled] == ["a", "b"]
+
+
 def test_abort_frees_blocks_in_any_state():
     s = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=8)
     s.add_request(make_request("running", list(range(20)), max_tokens=50))

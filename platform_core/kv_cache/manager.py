@@ -152,6 +152,26 @@ class KVCacheManager:
         """Drop the request's hash chain once it is finished for good."""
         self._hashes.pop(request.request_id, None)
 
+    def blocks_completed_by(self, request: Request, num_new_tokens: int) -> list[bytes]:
+        """Hashes of the full blocks that computing the request's next ``num_new_tokens`` tokens
+        completes (they become prefix-cache hits once computed); empty without caching."""
+        if not self.enable_prefix_caching:
+            return []
+        start = request.num_computed_tokens // self.block_size
+        end = (request.num_computed_tokens + num_new_tokens) // self.block_size
+        return self._hashes_of(request)[start:end] if end > start else []
+
+    def num_blocks_in_flight(self, request: Request, first: int, in_flight: set[bytes]) -> int:
+        """How many of the request's blocks from block ``first`` on, consecutively, are among
+        ``in_flight`` (blocks being computed this step), up to what a cache hit may cover."""
+        hashes = self._hashes_of(request)[first : (request.num_tokens - 1) // self.block_size]
+        count = 0
+        for block_hash in hashes:
+            if block_hash not in in_flight:
+                break
+            count += 1
+        return count
+
     def _hashes_of(self, request: Request) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:

@@ -5,7 +5,9 @@ Each step:
    prefill in progress). When the pool cannot hold them, the most recently admitted running
    request is preempted (blocks freed, recomputed later) until the allocation fits.
 2. The rest of the budget admits waiting requests in arrival order (preempted ones first), each
-   claiming its cached prefix and a chunk of its prompt. Waiting requests never preempt.
+   claiming its cached prefix and a chunk of its prompt. Waiting requests never preempt. A
+   request whose prompt is mostly blocks that this step is computing for another request waits
+   one step: it then finds them cached instead of computing them again.
 """
 
 from __future__ import annotations
@@ -147,6 +149,11 @@ class Scheduler:
         if not self.waiting:
             return budget
         seats = self.num_seats_taken
+        # Blocks this step completes (prompt chunks: decodes rarely complete a shared block).
+        in_flight: set[bytes] = set()
+        for request, num_new in scheduled:
+            if num_new > 1:
+                in_flight.update(self.kv.blocks_completed_by(request, num_new))
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if seats + request.num_seats > self.config.max_num_seqs:
@@ -156,6 +163,10 @@ class Scheduler:
             cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
             num_cached_tokens = len(cached) * self.kv.block_size
             remaining = request.num_tokens - num_cached_tokens
+            if in_flight and not wants_prompt_logprobs:
+                shared = self.kv.num_blocks_in_flight(request, len(cached), in_flight)
+                if 2 * shared * self.kv.block_size >= remaining:
+                    break  # at least half of what is left is being computed: next step hits
             if not self.config.enable_chunked_prefill and remaining > budget:
                 break
             num_new = min(remaining, budget)
@@ -169,6 +180,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))
+            if num_new > 1:
+                in_flight.update(self.kv.blocks_completed_by(request, num_new))
             budget -= num_new
             seats += request.num_seats
         return budget
