@@ -75,18 +75,10 @@ class InputBuilder:
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1], q_lens)
         positions += starts[seq_of_token]
 
-        num_blocks = np.fromiter(
-            (len(r.block_ids) for r in requests), dtype=np.int64, count=num_seqs
-        )
-        block_tables = np.zeros((num_seqs, max(int(num_blocks.max(initial=0)), 1)), np.int32)
-        # Scatter every request's blocks at once: row i, columns 0 .. num_blocks[i] - 1.
-        all_blocks = np.fromiter(
-            (b for r in requests for b in r.block_ids), np.int32, int(num_blocks.sum())
-        )
-        row_of_block = np.repeat(np.arange(num_seqs), num_blocks)
-        first_block = np.cumsum(num_blocks) - num_blocks
-        column = np.arange(len(all_blocks)) - np.repeat(first_block, num_blocks)
-        block_tables[row_of_block, column] = all_blocks
+        max_blocks = max((len(r.block_ids) for r in requests), default=0)
+        block_tables = np.zeros((num_seqs, max(max_blocks, 1)), dtype=np.int32)
+        for i, request in enumerate(requests):
+            block_tables[i, : len(request.block_ids)] = request.block_ids
         block_of_token = block_tables[seq_of_token, positions // self.block_size].astype(np.int64)
         slot_mapping = block_of_token * self.block_size + positions % self.block_size
 
