@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 from attention_batches import AttentionShape, build
-from platform_core_cpu.attention import CpuAttentionOps
+from platform_core_cpu.attention import CpuAttentionOps, key_tokens, value_tokens
 from platform_core_cpu.kernels import load_kernels
 
 from platform_core.attention.reference import reference_paged_attention
@@ -38,10 +38,21 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
     return min(times) * 1e3
 
 
+def cpu_layout(canonical: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The reference-layout cache ``canonical`` copied into the CPU backend's tiles."""
+    _, num_blocks, _, kv_heads, head_size = canonical.shape
+    shape = CpuAttentionOps("torch").kv_cache_shape(num_blocks, block_size, kv_heads, head_size)
+    cache = torch.empty(shape, dtype=canonical.dtype)
+    keys, values = key_tokens(cache[0], head_size), value_tokens(cache[1], head_size)
+    keys.copy_(canonical[0].transpose(1, 2).unflatten(-1, (head_size // 2, 2)))
+    values.copy_(canonical[1].transpose(1, 2).unflatten(2, (block_size // 2, 2)))
+    return cache
+
+
 def compare(name: str, specs: list[tuple[int, int]], block_size: int, repeats: int) -> None:
     """Time the three paths on one workload and print the times and the ratios."""
     query, canonical, metadata = build(specs, block_size, SHAPE)
-    cache = canonical.transpose(2, 3).contiguous()  # the backend's per-head layout
+    cache = cpu_layout(canonical, block_size)
     scale = SHAPE.head_size**-0.5
     compiled, fallback = CpuAttentionOps("compiled"), CpuAttentionOps("torch")
     fast = best_ms(lambda: compiled.forward(query, cache, metadata, scale), repeats)

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from platform_core_cpu import kernels
-from platform_core_cpu.attention import KERNEL_ENV, CpuAttentionOps
+from platform_core_cpu.attention import KERNEL_ENV, CpuAttentionOps, key_tokens, value_tokens
 
 from platform_core.attention.metadata import AttentionMetadata
 from platform_core.attention.reference import (
@@ -138,7 +138,8 @@ def test_mixed_batch_matches_reference(ops, path, dtype, block_size, head_size, 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     ("group", "head_size", "block_size"),
-    [(8, 80, 5), (3, 48, 8), (64, 16, 7)],  # odd sizes; 64 query rows per KV head (MQA-like)
+    # Sizes off the vector width (tails of keys and dims); 64 query rows per KV head (MQA-like).
+    [(8, 80, 6), (3, 40, 10), (64, 16, 2)],
 )
 def test_unusual_shapes(ops, path, group, head_size, block_size):
     specs = [(block_size * 4 + 3, block_size * 2), (1, 1), (block_size + 1, 1)]
@@ -154,7 +155,7 @@ def test_unusual_shapes(ops, path, group, head_size, block_size):
         min_size=1,
         max_size=6,
     ),
-    block_size=st.sampled_from([1, 4, 16, 32]),
+    block_size=st.sampled_from([2, 4, 16, 32]),
     group=st.sampled_from([1, 2, 4]),
     seed=st.integers(0, 1000),
 )
@@ -189,12 +190,18 @@ def test_write_kv_matches_reference(ops, path, dtype):
     canonical = canonical.to(dtype)
     ops[path].write_kv(key, value, cache, slots)
     reference_write_kv(key, value, canonical, slots)
-    assert torch.equal(cache, canonical.transpose(2, 3))
+    keys, values = key_tokens(cache[0], head_size), value_tokens(cache[1], head_size)
+    shape = (num_blocks, heads, block_size, head_size)
+    assert torch.equal(keys.reshape(shape), canonical[0].transpose(1, 2))
+    assert torch.equal(values.reshape(shape), canonical[1].transpose(1, 2))
     assert (cache == 7.0).sum() == 2 * (num_blocks * block_size - 6) * heads * head_size
 
 
-def test_kv_cache_shape_is_per_head():
-    assert CpuAttentionOps("torch").kv_cache_shape(10, 16, 4, 64) == (2, 10, 4, 16, 64)
+def test_kv_cache_shape_is_one_tile_per_block_and_head():
+    ops = CpuAttentionOps("torch")
+    assert ops.kv_cache_shape(10, 16, 4, 64) == (2, 10, 4, 16 * 64)
+    with pytest.raises(ConfigError, match="must be even"):
+        ops.kv_cache_shape(10, 5, 4, 64)
 
 
 def test_env_var_selects_the_path(monkeypatch):

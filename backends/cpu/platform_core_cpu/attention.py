@@ -1,7 +1,9 @@
 """Paged attention of the CPU backend: a compiled C++/OpenMP kernel with a pure-torch fallback.
 
-Cache layout of one layer: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (0 keys,
-1 values), so the tokens of one KV head within a block are contiguous. The path is chosen by
+Cache layout of one layer: ``[2, num_blocks, num_kv_heads, block_size * head_size]`` (0 keys,
+1 values): one contiguous tile per block and KV head, keys stored as ``[head_size / 2,
+block_size, 2]`` and values as ``[block_size / 2, head_size, 2]`` (element pairs the kernel
+multiplies without horizontal sums; both sizes must be even). The path is chosen by
 ``PLATFORM_CORE_CPU_KERNEL``: ``compiled`` (the C++ kernel; an error if it cannot be built),
 ``torch`` (the fallback), or ``auto`` (default: compiled, else the fallback with a warning).
 """
@@ -70,8 +72,13 @@ class CpuAttentionOps(AttentionOps):
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """``[2, num_blocks, num_kv_heads, block_size, head_size]``."""
-        return (2, num_blocks, num_kv_heads, block_size, head_size)
+        """``[2, num_blocks, num_kv_heads, block_size * head_size]``; both sizes even."""
+        if block_size % 2 or head_size % 2:
+            raise ConfigError(
+                f"the CPU cache pairs tokens and dimensions: block_size ({block_size}) and "
+                f"head_size ({head_size}) must be even"
+            )
+        return (2, num_blocks, num_kv_heads, block_size * head_size)
 
     def write_kv(
         self,
@@ -90,11 +97,13 @@ class CpuAttentionOps(AttentionOps):
             return
         valid = slot_mapping >= 0
         slots = slot_mapping[valid].long()
-        block_size = kv_cache.shape[3]
+        head_size = key.shape[2]
+        block_size = kv_cache.shape[3] // head_size
         blocks, offsets = slots // block_size, slots % block_size
-        # Two advanced indices split by a slice: the result is [tokens, kv_heads, head_size].
-        kv_cache[0, blocks, :, offsets] = key[valid]
-        kv_cache[1, blocks, :, offsets] = value[valid]
+        keys, values = key_tokens(kv_cache[0], head_size), value_tokens(kv_cache[1], head_size)
+        # Advanced indices split by a slice: the indexed result is [tokens, kv_heads, ...].
+        keys[blocks, :, offsets] = key[valid].unflatten(-1, (head_size // 2, 2))
+        values[blocks, :, offsets // 2, offsets % 2] = value[valid]
 
     def forward(
         self,
@@ -127,23 +136,48 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def key_tokens(keys: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The key half ``[blocks, kv_heads, tile]`` of a cache as a view indexed by token:
+    ``[blocks, kv_heads, block_size, head_size / 2, 2]``."""
+    blocks, heads, tile = keys.shape
+    return keys.view(blocks, heads, head_size // 2, tile // head_size, 2).transpose(2, 3)
+
+
+def value_tokens(values: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The value half ``[blocks, kv_heads, tile]`` of a cache as a view indexed by token pair:
+    ``[blocks, kv_heads, block_size / 2, 2, head_size]``."""
+    blocks, heads, tile = values.shape
+    return values.view(blocks, heads, tile // head_size // 2, head_size, 2).transpose(3, 4)
+
+
 def _gather(
-    kv_cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_blocks: int,
+    head_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 keys and values ``[seqs, kv_heads, num_blocks * block_size, head_size]`` of each
     row of ``tables``; entries past a sequence's blocks are padding, read as block 0 instead."""
-    _, _, heads, block_size, head_size = kv_cache.shape
+    _, total_blocks, heads, tile = kv_cache.shape
+    block_size = tile // head_size
     tables = tables[:, :num_blocks].long()
     used = (seq_lens.long() + block_size - 1) // block_size
-    ids = torch.where(torch.arange(num_blocks) < used[:, None], tables, 0).flatten()
-    shape = (tables.shape[0], num_blocks, heads, block_size, head_size)
+    ids = torch.where(torch.arange(num_blocks) < used[:, None], tables, 0)
+    # Tiles ordered (sequence, head, block): the gather itself puts heads before blocks.
+    tile_ids = (ids[:, None, :] * heads + torch.arange(heads)[:, None]).flatten()
+    shape = (tables.shape[0], heads, num_blocks * block_size, head_size)
 
-    def flat(part: torch.Tensor) -> torch.Tensor:
-        blocks = part.index_select(0, ids).view(shape).transpose(1, 2)
-        out = torch.empty(blocks.shape, dtype=torch.float32)  # one pass: reorder and upcast
-        return out.copy_(blocks).flatten(2, 3)
+    def tiles(part: torch.Tensor) -> torch.Tensor:
+        return part.view(total_blocks * heads, 1, tile).index_select(0, tile_ids)
 
-    return flat(kv_cache[0]), flat(kv_cache[1])
+    # Key pairs as words: a plain [head_size / 2, block_size] transpose per tile, then upcast.
+    word = torch.int32 if kv_cache.element_size() == 2 else torch.int64
+    key_words = tiles(kv_cache[0]).view(word).unflatten(-1, (head_size // 2, block_size))
+    keys = key_words.transpose(-1, -2).contiguous().view(kv_cache.dtype).float().view(shape)
+    value_pairs = value_tokens(tiles(kv_cache[1]), head_size)
+    values = torch.empty(value_pairs.shape, dtype=torch.float32)  # one pass: reorder and upcast
+    return keys, values.copy_(value_pairs).view(shape)
 
 
 def _attend(
@@ -162,7 +196,8 @@ def torch_paged_attention(
     explicit causal mask offset by its cached prefix."""
     out = torch.empty_like(query)
     starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    block_size = kv_cache.shape[3]
+    head_size = query.shape[2]
+    block_size = kv_cache.shape[3] // head_size
     q_lens = [starts[i + 1] - starts[i] for i in range(metadata.num_seqs)]
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     if decodes:
@@ -170,14 +205,16 @@ def torch_paged_attention(
         index = torch.tensor(decodes)
         seq_lens = metadata.seq_lens[index]
         num_blocks = -(-max(lens[i] for i in decodes) // block_size)
-        keys, values = _gather(kv_cache, metadata.block_tables[index], seq_lens, num_blocks)
+        keys, values = _gather(
+            kv_cache, metadata.block_tables[index], seq_lens, num_blocks, head_size
+        )
         visible = torch.arange(keys.shape[2]) < seq_lens[:, None].long()
         attn = _attend(query[rows].unsqueeze(2), keys, values, visible[:, None, None, :], scale)
         out[rows] = attn.squeeze(2).to(out.dtype)
     for i in (i for i, n in enumerate(q_lens) if n > 1):
         seq_len, q = lens[i], query[starts[i] : starts[i + 1]]
         table, seq_lens = metadata.block_tables[i : i + 1], metadata.seq_lens[i : i + 1]
-        keys, values = _gather(kv_cache, table, seq_lens, -(-seq_len // block_size))
+        keys, values = _gather(kv_cache, table, seq_lens, -(-seq_len // block_size), head_size)
         q_pos = torch.arange(seq_len - q_lens[i], seq_len)[:, None]
         causal = torch.arange(keys.shape[2])[None, :] <= q_pos
         attn = _attend(q.transpose(0, 1).unsqueeze(0), keys, values, causal, scale)

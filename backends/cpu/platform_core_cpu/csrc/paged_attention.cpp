@@ -1,7 +1,13 @@
 // Causal paged attention on CPU. One work item is (sequence, KV head, tile of query tokens):
-// it converts each K/V block of its causal window to fp32 once and runs an online softmax for
-// every query row of the tile (its tokens times the query heads sharing that KV head), so a
-// block is read once per KV-head group instead of once per query head.
+// it runs an online softmax for every query row of the tile (its tokens times the query heads
+// sharing that KV head), so a block is read once per KV-head group instead of once per query head.
+//
+// Each (block, KV head) of the cache is one tile of block_size x head_size elements, stored so
+// that both products vectorize without horizontal sums (block_size and head_size are even):
+//   keys   [head_size / 2][block_size][2]: a vector of 16 pairs is one dimension pair of 16 keys,
+//   values [block_size / 2][head_size][2]: a vector of 16 pairs is 16 dimensions of a key pair.
+// On CPUs with AVX512-BF16 a bf16 cache multiplies those pairs directly (vdpbf16ps); the other
+// paths split them into even and odd fp32 lanes.
 
 #include "cpu_kernels.h"
 #include "vec_math.h"
@@ -19,14 +25,15 @@ namespace {
 
 constexpr int64_t kTileRows = 32;  // query rows (tokens x grouped heads) one work item aims at
 constexpr int64_t kDecodesPerThread = 4;  // decodes per thread before one item takes all heads
+constexpr int64_t kChunkRows = 8;  // query rows scored together against each key vector
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Sizes and element strides; the cache is seen as [2, blocks, kv_heads, block_size, head_size].
+// Sizes and element strides; the cache is seen as [2, blocks, kv_heads, tile].
 struct Geometry {
-  int64_t group, head_size, block_size, padded_head;
+  int64_t group, head_size, block_size;
   int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
-  int64_t kv_stride, block_stride, kv_head_stride, slot_stride, table_stride;
+  int64_t kv_stride, block_stride, kv_head_stride, table_stride;
   float scale;
 };
 
@@ -45,96 +52,182 @@ struct WorkItem {
   int64_t seq, kv_head, kv_head_end, q_begin, q_end;
 };
 
-// bf16 query-key dot products straight from the cache (no fp32 copy of the keys) where the
-// CPU has AVX512-BF16; T = float and other CPUs take the fp32 path.
+// bf16 pair products in hardware (vdpbf16ps) for a bf16 cache on CPUs with AVX512-BF16.
 template <typename T>
 constexpr bool kBf16Dots = kHasBf16Dot && std::is_same_v<T, c10::BFloat16>;
 
-// Per-thread buffers: query rows (fp32, and raw bf16 for the bf16 dots), their accumulators,
-// one K block and one V block in fp32.
+// Element bits as load_pairs reads them: fp32 as is, bf16 as raw 16-bit patterns.
+inline const float* raw(const float* p) { return p; }
+inline const uint16_t* raw(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+
+// Per-thread buffers: query rows (fp32, or raw bf16 for the bf16 dots), their accumulators,
+// scores of one row chunk against a block, and one row's probabilities as bf16 pairs.
 struct Scratch {
-  std::vector<float> q, acc, keys, values, scores, row_max, row_sum;
+  std::vector<float> q, acc, scores, row_max, row_sum;
   std::vector<uint16_t> q16;
+  std::vector<uint32_t> prob_pairs;
+  int64_t score_stride;
   Scratch(const Geometry& g, int64_t max_rows)
-      : q(max_rows * g.padded_head),
-        acc(max_rows * g.padded_head),
-        keys(round_up(g.block_size, kLanes) * g.padded_head, 0.0f),  // padding stays zero
-        values(g.block_size * g.padded_head, 0.0f),
-        scores(round_up(g.block_size, kLanes)),
+      : q(max_rows * g.head_size),
+        acc(max_rows * round_up(g.head_size, kLanes)),
+        scores(kChunkRows * round_up(g.block_size, 2 * kLanes), 0.0f),
         row_max(max_rows),
         row_sum(max_rows),
-        q16(max_rows * round_up(g.head_size, kBf16Pair), 0) {}
+        q16(max_rows * g.head_size),
+        prob_pairs(round_up(g.block_size, 2 * kLanes) / 2),
+        score_stride(round_up(g.block_size, 2 * kLanes)) {}
 };
 
-// Converts a block's values (and its keys, unless the dots read them as bf16) to fp32.
-template <typename T>
-void load_block(const T* keys, const T* values, int64_t valid, const Geometry& g, Scratch& s) {
-  for (int64_t j = 0; j < valid; ++j) {
-    const T* v = values + j * g.slot_stride;
-    float* vo = s.values.data() + j * g.padded_head;
-#pragma omp simd
-    for (int64_t d = 0; d < g.head_size; ++d) vo[d] = to_float(v[d]);
-    if constexpr (!kBf16Dots<T>) {
-      const T* k = keys + j * g.slot_stride;
-      float* ko = s.keys.data() + j * g.padded_head;
-#pragma omp simd
-      for (int64_t d = 0; d < g.head_size; ++d) ko[d] = to_float(k[d]);
+// Scaled scores of R query rows (from `first`) against keys [0, count) of a key tile, into
+// rows of s.scores; lanes up to the next multiple of 16 past `count` are unspecified.
+template <typename T, int R>
+void score_chunk(int64_t first, const T* keys, int64_t count, const Geometry& g, Scratch& s) {
+  const int64_t pairs = g.head_size / 2;
+  for (int64_t j = 0; j < count; j += kLanes) {
+    const int64_t lanes = std::min(kLanes, g.block_size - j);
+    vec16 dots[R];
+    if constexpr (kBf16Dots<T>) {
+#if defined(__AVX512BF16__)
+      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+      const auto* q = reinterpret_cast<const int32_t*>(s.q16.data() + first * g.head_size);
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < pairs; ++p) {
+        const __m512bh k =
+            (__m512bh)_mm512_maskz_loadu_epi32(mask, raw(keys) + 2 * (p * g.block_size + j));
+        for (int r = 0; r < R; ++r) {
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q[r * pairs + p]), k);
+        }
+      }
+      for (int r = 0; r < R; ++r) std::memcpy(&dots[r], &acc[r], sizeof(vec16));
+#endif
+    } else {
+      const float* q = s.q.data() + first * g.head_size;
+      for (int r = 0; r < R; ++r) dots[r] = vec16{};
+      for (int64_t p = 0; p < pairs; ++p) {
+        vec16 even, odd;
+        load_pairs(raw(keys) + 2 * (p * g.block_size + j), lanes, even, odd);
+        for (int r = 0; r < R; ++r) {
+          dots[r] += q[r * g.head_size + 2 * p] * even + q[r * g.head_size + 2 * p + 1] * odd;
+        }
+      }
     }
+    for (int r = 0; r < R; ++r) store16(s.scores.data() + r * s.score_stride + j, dots[r] * g.scale);
   }
 }
 
-// Asks for a block's K/V rows ahead of use: blocks are scattered, so hardware prefetch misses them.
 template <typename T>
-void prefetch_block(const T* keys, const T* values, int64_t valid, const Geometry& g) {
-  constexpr int64_t kLine = 64 / sizeof(T);
-  for (int64_t j = 0; j < valid; ++j) {
-    for (int64_t d = 0; d < g.head_size; d += kLine) {
-      __builtin_prefetch(keys + j * g.slot_stride + d);
-      __builtin_prefetch(values + j * g.slot_stride + d);
+void score_rows(int64_t first, int64_t rows, const T* keys, int64_t count, const Geometry& g,
+                Scratch& s) {
+  switch (rows) {
+    case 1: return score_chunk<T, 1>(first, keys, count, g, s);
+    case 2: return score_chunk<T, 2>(first, keys, count, g, s);
+    case 3: return score_chunk<T, 3>(first, keys, count, g, s);
+    case 4: return score_chunk<T, 4>(first, keys, count, g, s);
+    case 5: return score_chunk<T, 5>(first, keys, count, g, s);
+    case 6: return score_chunk<T, 6>(first, keys, count, g, s);
+    case 7: return score_chunk<T, 7>(first, keys, count, g, s);
+    default: return score_chunk<T, kChunkRows>(first, keys, count, g, s);
+  }
+}
+
+// acc = acc * decay + sum_j p[j] * values[j] over key pairs [0, pairs) of a value tile; p is
+// fp32 (p[2 * pairs - 1] must exist, zero past the row's keys).
+template <typename T>
+void accumulate_values(float* acc, float decay, const float* p, int64_t pairs, const T* values,
+                       const Geometry& g) {
+  for (int64_t c = 0; c < g.head_size; c += kLanes) {
+    const int64_t lanes = std::min(kLanes, g.head_size - c);
+    vec16 a = load16(acc + c) * decay;
+    for (int64_t i = 0; i < pairs; ++i) {
+      vec16 even, odd;
+      load_pairs(raw(values) + 2 * (i * g.head_size + c), lanes, even, odd);
+      a += p[2 * i] * even + p[2 * i + 1] * odd;
     }
+    store16(acc + c, a);
   }
 }
 
-// Scaled dot products of row r with keys j .. j+15 of the block (`keys` in the cache); lanes
-// at or past `count` are unspecified.
-template <typename T>
-vec16 block_dots(int64_t r, int64_t j, int64_t count, const T* keys, const Geometry& g,
-                 const Scratch& s) {
-  if constexpr (kBf16Dots<T>) {
-    const int64_t stride = round_up(g.head_size, kBf16Pair);
-    return dot16_bf16(s.q16.data() + r * stride,
-                      reinterpret_cast<const uint16_t*>(keys + j * g.slot_stride),
-                      g.slot_stride, g.head_size, std::min<int64_t>(kLanes, count - j)) *
-           g.scale;
-  } else {
-    return dot16(s.q.data() + r * g.padded_head, s.keys.data() + j * g.padded_head,
-                 g.padded_head);
+#if defined(__AVX512BF16__)
+// The same with bf16 probability pairs multiplied in hardware, four vectors of dims at a time.
+void accumulate_values_bf16(float* acc, float decay, const uint32_t* p, int64_t pairs,
+                            const uint16_t* values, const Geometry& g) {
+  const __m512 scale = _mm512_set1_ps(decay);
+  int64_t c = 0;
+  for (; c + 4 * kLanes <= g.head_size; c += 4 * kLanes) {
+    __m512 a[4];
+    for (int k = 0; k < 4; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(acc + c + k * kLanes), scale);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[i]));
+      const uint16_t* v = values + 2 * (i * g.head_size + c);
+      for (int k = 0; k < 4; ++k) {
+        a[k] = _mm512_dpbf16_ps(a[k], w, (__m512bh)_mm512_loadu_si512(v + 2 * k * kLanes));
+      }
+    }
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + c + k * kLanes, a[k]);
+  }
+  for (; c < g.head_size; c += kLanes) {
+    const int64_t lanes = std::min(kLanes, g.head_size - c);
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), scale);
+    for (int64_t i = 0; i < pairs; ++i) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[i]));
+      a = _mm512_dpbf16_ps(
+          a, w, (__m512bh)_mm512_maskz_loadu_epi32(mask, values + 2 * (i * g.head_size + c)));
+    }
+    _mm512_storeu_ps(acc + c, a);
   }
 }
+#endif
 
-// Folds the first `count` keys of the loaded block into row r's running max, sum and output.
+// Folds keys [0, count) of a block, scored in `scores`, into row r's running max, sum and
+// output (the values tile `values`).
 template <typename T>
-void attend_block(int64_t r, int64_t count, const T* keys, const Geometry& g, Scratch& s) {
+void attend_block(int64_t r, int64_t count, float* scores, const T* values, const Geometry& g,
+                  Scratch& s) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  float* scores = s.scores.data();
   vec16 block_max = splat(kNegInf);
   for (int64_t j = 0; j < count; j += kLanes) {
-    const vec16 dots = block_dots(r, j, count, keys, g, s);
-    block_max = vmax(block_max, keep_first(dots, count - j, kNegInf));
-    store16(scores + j, dots);
+    block_max = vmax(block_max, keep_first(load16(scores + j), count - j, kNegInf));
   }
   const float new_max = std::max(s.row_max[r], hmax(block_max));
   const float decay = exp16(splat(s.row_max[r] - new_max))[0];  // ~0 on the row's first block
+  // Probabilities up to a multiple of 32 keys, zero past `count`: whole pairs and bf16 vectors.
+  const int64_t padded = round_up(count, 2 * kLanes);
   vec16 block_sum = {};
-  for (int64_t j = 0; j < count; j += kLanes) {
+  for (int64_t j = 0; j < padded; j += kLanes) {
     const vec16 p = keep_first(exp16(load16(scores + j) - new_max), count - j, 0.0f);
     store16(scores + j, p);
     block_sum += p;
   }
   s.row_sum[r] = s.row_sum[r] * decay + hsum(block_sum);
   s.row_max[r] = new_max;
-  decay_and_accumulate(s.acc.data() + r * g.padded_head, decay, scores, count, s.values.data(),
-                       g.padded_head);
+  float* acc = s.acc.data() + r * round_up(g.head_size, kLanes);
+  const int64_t pairs = (count + 1) / 2;
+  if constexpr (kBf16Dots<T>) {
+#if defined(__AVX512BF16__)
+    for (int64_t j = 0; j < padded; j += 2 * kLanes) {
+      const __m512bh both =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(scores + j + kLanes), _mm512_loadu_ps(scores + j));
+      _mm512_storeu_si512(s.prob_pairs.data() + j / 2, (__m512i)both);
+    }
+    accumulate_values_bf16(acc, decay, s.prob_pairs.data(), pairs, raw(values), g);
+#endif
+  } else {
+    accumulate_values(acc, decay, scores, pairs, values, g);
+  }
+}
+
+// Asks for the first `valid` keys and values of a tile ahead of use: blocks are scattered,
+// so hardware prefetch misses them.
+template <typename T>
+void prefetch_tile(const T* keys, const T* values, int64_t valid, const Geometry& g) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t p = 0; p < g.head_size / 2; ++p) {
+    for (int64_t e = 0; e < 2 * valid; e += kLine) __builtin_prefetch(keys + 2 * p * g.block_size + e);
+  }
+  const int64_t value_elements = round_up(valid, 2) * g.head_size;
+  for (int64_t e = 0; e < value_elements; e += kLine) __builtin_prefetch(values + e);
 }
 
 // Asks for block `blk` of a sequence's table ahead of use, if the sequence reaches it.
@@ -144,7 +237,7 @@ void prefetch_table_block(const int32_t* table, int64_t blk, int64_t kv_len, int
   const int64_t start = blk * g.block_size;
   if (start >= kv_len) return;
   const T* keys = b.cache + table[blk] * g.block_stride + kv_head * g.kv_head_stride;
-  prefetch_block(keys, keys + g.kv_stride, std::min(g.block_size, kv_len - start), g);
+  prefetch_tile(keys, keys + g.kv_stride, std::min(g.block_size, kv_len - start), g);
 }
 
 // Query row r of an item: rows run over (KV head, token, head within the group).
@@ -168,44 +261,51 @@ void run_item(const WorkItem& item, const Geometry& g, const Batch<T>& b, Scratc
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = b.query + map.token(r) * g.q_token_stride + map.head(r) * g.q_head_stride;
     if constexpr (kBf16Dots<T>) {
-      std::memcpy(s.q16.data() + r * round_up(g.head_size, kBf16Pair), src,
-                  g.head_size * sizeof(T));  // the padding stays zero
+      std::memcpy(s.q16.data() + r * g.head_size, src, g.head_size * sizeof(T));
     } else {
-      float* q = s.q.data() + r * g.padded_head;
-      for (int64_t d = 0; d < g.head_size; ++d) q[d] = to_float(src[d]) * g.scale;
-      std::fill(q + g.head_size, q + g.padded_head, 0.0f);
+      float* q = s.q.data() + r * g.head_size;
+      for (int64_t d = 0; d < g.head_size; ++d) q[d] = to_float(src[d]);
     }
-    std::fill_n(s.acc.data() + r * g.padded_head, g.padded_head, 0.0f);
+    std::fill_n(s.acc.data() + r * round_up(g.head_size, kLanes), round_up(g.head_size, kLanes),
+                0.0f);
     s.row_max[r] = -std::numeric_limits<float>::infinity();
     s.row_sum[r] = 0.0f;
   }
   const int64_t kv_len = first_pos + (item.q_end - seq_start);  // keys the last row sees
   const int32_t* table = b.block_tables + item.seq * g.table_stride;
-  auto prefetch = [&](int64_t blk) {
-    for (int64_t h = item.kv_head; h < item.kv_head_end; ++h) {
-      prefetch_table_block(table, blk, kv_len, h, g, b);
-    }
+  // Keys of the current block that row r sees (<= 0: none).
+  auto visible = [&](int64_t r, int64_t block_start, int64_t valid) {
+    return std::min(valid, first_pos + (map.token(r) - seq_start) - block_start + 1);
   };
   for (int64_t blk = 0; blk * g.block_size < kv_len; ++blk) {
     const int64_t block_start = blk * g.block_size;
     const int64_t valid = std::min(g.block_size, kv_len - block_start);
-    prefetch(blk + 1);
+    for (int64_t h = item.kv_head; h < item.kv_head_end; ++h) {
+      prefetch_table_block(table, blk + 1, kv_len, h, g, b);
+    }
     // The item's heads of one block lie side by side: read them in order.
     for (int64_t h = 0; h < heads; ++h) {
       const T* keys =
           b.cache + table[blk] * g.block_stride + (item.kv_head + h) * g.kv_head_stride;
-      load_block(keys, keys + g.kv_stride, valid, g, s);
-      for (int64_t r = h * map.rows_per_head; r < (h + 1) * map.rows_per_head; ++r) {
-        const int64_t pos = first_pos + (map.token(r) - seq_start);
-        const int64_t count = std::min(valid, pos - block_start + 1);
-        if (count <= 0) continue;
-        attend_block(r, count, keys, g, s);
+      const int64_t head_end = (h + 1) * map.rows_per_head;
+      for (int64_t first = h * map.rows_per_head; first < head_end; first += kChunkRows) {
+        const int64_t chunk = std::min(kChunkRows, head_end - first);
+        // Rows are in token order, so the chunk's last row sees the most keys.
+        const int64_t most = visible(first + chunk - 1, block_start, valid);
+        if (most <= 0) continue;
+        score_rows(first, chunk, keys, most, g, s);
+        for (int64_t r = first; r < first + chunk; ++r) {
+          const int64_t count = visible(r, block_start, valid);
+          if (count <= 0) continue;
+          float* scores = s.scores.data() + (r - first) * s.score_stride;
+          attend_block(r, count, scores, keys + g.kv_stride, g, s);
+        }
       }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = b.out + map.token(r) * g.o_token_stride + map.head(r) * g.o_head_stride;
-    const float* acc = s.acc.data() + r * g.padded_head;
+    const float* acc = s.acc.data() + r * round_up(g.head_size, kLanes);
     const float inv = 1.0f / s.row_sum[r];
     for (int64_t d = 0; d < g.head_size; ++d) dst[d] = from_float<T>(acc[d] * inv);
   }
@@ -286,9 +386,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                      const at::Tensor& block_tables, double scale, const at::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out: [tokens, heads, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache: [2, NB, KVH, BS, D]");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(4) == 1,
-              "the head dimension must be contiguous");
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2, "kv_cache: [2, NB, KVH, BS * D]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && kv_cache.stride(3) == 1,
+              "the head dimension and the cache tiles must be contiguous");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() &&
                   out.scalar_type() == query.scalar_type(),
               "query, kv_cache and out must share a dtype");
@@ -297,13 +397,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   }
   const int64_t heads = query.size(1), kv_heads = kv_cache.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of kv heads");
-  const int64_t head_size = query.size(2), block_size = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == head_size, "head size mismatch between query and kv_cache");
-  const Geometry g{heads / kv_heads, head_size, block_size, round_up(head_size, kLanes),
-                   query.stride(0), query.stride(1),
-                   out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-                   kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-                   static_cast<float>(scale)};
+  const int64_t head_size = query.size(2);
+  TORCH_CHECK(head_size % 2 == 0 && kv_cache.size(3) % (2 * head_size) == 0,
+              "the cache tile must hold an even number of tokens of an even head size");
+  const int64_t block_size = kv_cache.size(3) / head_size;
+  const Geometry g{heads / kv_heads, head_size, block_size,
+                   query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                   kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+                   block_tables.stride(0), static_cast<float>(scale)};
   check_metadata(query_start_loc, seq_lens, block_tables, query.size(0), kv_cache.size(1),
                  block_size);
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / g.group);

@@ -74,46 +74,30 @@ inline vec16 exp16(vec16 x) {
   return p * std::bit_cast<vec16>(scale);
 }
 
-// Lane j of the result is the sum of all lanes of v[j]: a transpose-and-add tree that halves the
-// partial sums per key at each level, 30 shuffles for 16 keys instead of 16 horizontal sums.
-inline vec16 transpose_sum(const vec16 (&v)[kLanes]) {
-  vec16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) {
-    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
-                                   19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
-                                   26, 27, 28, 29, 30, 31);
+// Sixteen (even, odd) element pairs from `src` split into two vectors: lane j of `even` is
+// src[2j] and of `odd` src[2j + 1] as fp32; pairs at or past `lanes` read as zero.
+inline void load_pairs(const float* src, int64_t lanes, vec16& even, vec16& odd) {
+  float padded[2 * kLanes];
+  if (lanes < kLanes) {
+    std::fill(padded, padded + 2 * kLanes, 0.0f);
+    std::memcpy(padded, src, lanes * 2 * sizeof(float));
+    src = padded;
   }
-  for (int i = 0; i < 4; ++i) {
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
-                                   19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
-                                   22, 23, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 2; ++i) {
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
-                                   21, 24, 25, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
-                                   22, 23, 26, 27, 30, 31);
-  }
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                 28, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                 29, 31);
+  const vec16 lo = load16(src), hi = load16(src + kLanes);
+  even = __builtin_shufflevector(lo, hi, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  odd = __builtin_shufflevector(lo, hi, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// Dot products of q with 16 consecutive rows of `keys` (rows `padded` floats apart).
-inline vec16 dot16(const float* q, const float* keys, int64_t padded) {
-  vec16 partial[kLanes];
-  const vec16 q0 = load16(q);
-#pragma GCC unroll 16
-  for (int j = 0; j < kLanes; ++j) partial[j] = q0 * load16(keys + j * padded);
-  for (int64_t c = kLanes; c < padded; c += kLanes) {
-    const vec16 qc = load16(q + c);
-#pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) partial[j] += qc * load16(keys + j * padded + c);
+// The same for bf16 bit patterns: a pair is one 32-bit word, low half first.
+inline void load_pairs(const uint16_t* src, int64_t lanes, vec16& even, vec16& odd) {
+  ivec16 words = {};
+  if (lanes >= kLanes) {
+    std::memcpy(&words, src, sizeof words);
+  } else {
+    std::memcpy(&words, src, lanes * 2 * sizeof(uint16_t));
   }
-  return transpose_sum(partial);
+  even = std::bit_cast<vec16>(words << 16);
+  odd = std::bit_cast<vec16>(words & static_cast<int32_t>(0xFFFF0000u));
 }
 
 #if defined(__AVX512BF16__)
@@ -121,63 +105,7 @@ constexpr bool kHasBf16Dot = true;
 #else
 constexpr bool kHasBf16Dot = false;
 #endif
-// bf16 elements one AVX512-BF16 dot step consumes per row (q rows are zero-padded to it).
+// bf16 elements one AVX512-BF16 dot step consumes per row.
 constexpr int64_t kBf16Pair = 32;
-
-// Dot products of bf16 q (zero-padded to kBf16Pair) with the first `rows` (<= 16) of 16 bf16
-// key rows `stride` elements apart, each `head_size` long: products exact in fp32, sums in
-// fp32; lanes past `rows` are 0. Only those rows' own elements are read (masked tail loads).
-inline vec16 dot16_bf16(const uint16_t* q, const uint16_t* keys, int64_t stride,
-                        int64_t head_size, int64_t rows) {
-#if defined(__AVX512BF16__)
-  __m512 partial[kLanes];
-#pragma GCC unroll 16
-  for (int j = 0; j < kLanes; ++j) partial[j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < head_size; c += kBf16Pair) {
-    const int64_t left = head_size - c;
-    const __mmask32 mask = left >= kBf16Pair ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
-    const __m512bh qc = (__m512bh)_mm512_loadu_si512(q + c);
-#pragma GCC unroll 16
-    for (int j = 0; j < kLanes; ++j) {
-      if (j >= rows) break;
-      const __m512bh kc = (__m512bh)_mm512_maskz_loadu_epi16(mask, keys + j * stride + c);
-      partial[j] = _mm512_dpbf16_ps(partial[j], qc, kc);
-    }
-  }
-  vec16 sums[kLanes];
-  for (int j = 0; j < kLanes; ++j) std::memcpy(&sums[j], &partial[j], sizeof(vec16));
-  return transpose_sum(sums);
-#else
-  (void)q, (void)keys, (void)stride, (void)head_size, (void)rows;
-  return vec16{};
-#endif
-}
-
-// acc = acc * decay + sum_j p[j] * rows[j] (rows `padded` floats apart), four register
-// accumulators at a time so the FMA chains overlap.
-inline void decay_and_accumulate(float* acc, float decay, const float* p, int64_t count,
-                                 const float* rows, int64_t padded) {
-  int64_t c = 0;
-  for (; c + 4 * kLanes <= padded; c += 4 * kLanes) {
-    vec16 a0 = load16(acc + c) * decay, a1 = load16(acc + c + kLanes) * decay;
-    vec16 a2 = load16(acc + c + 2 * kLanes) * decay, a3 = load16(acc + c + 3 * kLanes) * decay;
-    for (int64_t j = 0; j < count; ++j) {
-      const float* v = rows + j * padded + c;
-      a0 += p[j] * load16(v);
-      a1 += p[j] * load16(v + kLanes);
-      a2 += p[j] * load16(v + 2 * kLanes);
-      a3 += p[j] * load16(v + 3 * kLanes);
-    }
-    store16(acc + c, a0);
-    store16(acc + c + kLanes, a1);
-    store16(acc + c + 2 * kLanes, a2);
-    store16(acc + c + 3 * kLanes, a3);
-  }
-  for (; c < padded; c += kLanes) {
-    vec16 a = load16(acc + c) * decay;
-    for (int64_t j = 0; j < count; ++j) a += p[j] * load16(rows + j * padded + c);
-    store16(acc + c, a);
-  }
-}
 
 }  // namespace platform_core_cpu
