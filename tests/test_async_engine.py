@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from server_utils import engine_config, engine_idle, wait_for
@@ -10,8 +11,9 @@ from text_model import save_text_model
 
 from platform_core import LLM, SamplingParams
 from platform_core.engine.async_engine import AsyncEngine
+from platform_core.engine.llm_engine import LLMEngine
 from platform_core.engine.request_stream import GenerateRequest
-from platform_core.errors import EngineDeadError, InvalidRequestError
+from platform_core.errors import ConfigError, EngineDeadError, InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[5 + i, 40, 17 + 3 * i, 99, 12] for i in range(8)]
@@ -167,3 +169,35 @@ def test_shutdown_ends_requests_in_flight_with_an_error(model_dir):
     asyncio.run(run())
     assert not engine.is_running and engine.error is None
     assert not engine._thread.is_alive()
+
+
+def test_engine_is_built_and_stepped_on_its_own_thread(model_dir):
+    """One thread loads and steps the model, so torch keeps a single OpenMP pool."""
+    seen: dict[str, set[str]] = {"build": set(), "step": set()}
+
+    def make() -> LLMEngine:
+        seen["build"].add(threading.current_thread().name)
+        engine = LLMEngine(engine_config(model_dir))
+        step = engine.step
+
+        def recorded_step():
+            seen["step"].add(threading.current_thread().name)
+            return step()
+
+        engine.step = recorded_step
+        return engine
+
+    engine = AsyncEngine(make)
+    try:
+        assert asyncio.run(_last(engine, "thread-check", PROMPTS[0])).finished
+    finally:
+        engine.shutdown()
+    assert seen["build"] == seen["step"] == {"platform-core-engine"}
+
+
+def test_a_failure_to_build_the_engine_is_raised_by_the_constructor():
+    def make() -> LLMEngine:
+        raise ConfigError("no such model here")
+
+    with pytest.raises(ConfigError, match="no such model here"):
+        AsyncEngine(make)

@@ -12,6 +12,12 @@ the GIL, so HTTP work and model steps overlap; the engine stays inspectable in-p
 its KV pool) and start-up and shutdown stay simple. The commands are plain dataclasses, so moving
 the loop into a process later changes the transport, not the protocol. Detokenization and stop
 strings stay in the engine thread because stop strings decide when a request ends.
+
+The engine is also built on that thread. OpenMP (torch's CPU thread pool) keeps one pool of
+workers per thread that starts parallel regions; a model loaded on the main thread and stepped on
+another leaves two pools, more OpenMP threads than cores, and libgomp then stops its workers from
+spinning between regions, so every kernel pays a wake-up: a decode step of 8 requests on a 2-core
+CPU took 12.5 ms instead of 8 (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import logging
 import queue
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +75,9 @@ class AsyncEngine(SubmitFront):
     attributes for inspection is fine); ``tokenizer`` is a separate copy for the event loop side.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.vocab_size
-        self.default_sampling = dict(engine.default_sampling)
+    def __init__(self, make_engine: Callable[[], LLMEngine]) -> None:
+        """Build the engine with ``make_engine`` on the engine thread and start its loop; an
+        error building it is raised here."""
         self.error: EngineDeadError | None = None  # set when the loop failed (not on shutdown)
         self._stopped: EngineDeadError | None = None
         self._lock = threading.Lock()
@@ -81,14 +85,29 @@ class AsyncEngine(SubmitFront):
         # Owned by the engine thread: whose outputs go where, and what is not yet delivered.
         self._sinks: dict[str, StreamSink] = {}
         self._results: list[tuple[StreamSink, object]] = []
-        self._stats = engine.stats()
-        self._thread = threading.Thread(target=self._run, name="platform-core-engine", daemon=True)
+        built: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(make_engine, built), name="platform-core-engine", daemon=True
+        )
         self._thread.start()
+        failure = built.get()
+        if failure is not None:
+            self._thread.join()
+            raise failure
+
+    def _adopt(self, engine: LLMEngine) -> None:
+        """Take ``engine`` and the copies of its settings the event loop side reads."""
+        self.engine = engine
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.default_sampling = dict(engine.default_sampling)
+        self._stats = engine.stats()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         """Load the model described by ``config`` and start the engine thread."""
-        return cls(LLMEngine(config))
+        return cls(lambda: LLMEngine(config))
 
     # ------------------------------------------------------------------ event loop side
     @property
@@ -135,7 +154,15 @@ class AsyncEngine(SubmitFront):
             self._commands.put(command)
 
     # ------------------------------------------------------------------ engine thread
-    def _run(self) -> None:
+    def _run(
+        self, make_engine: Callable[[], LLMEngine], built: queue.SimpleQueue[BaseException | None]
+    ) -> None:
+        try:
+            self._adopt(make_engine())
+        except BaseException as exc:  # the constructor raises it
+            built.put(exc)
+            return
+        built.put(None)
         try:
             self._loop()
             reason = EngineDeadError("the engine has been shut down")

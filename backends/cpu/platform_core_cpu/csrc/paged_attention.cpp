@@ -368,7 +368,7 @@ Plan plan(const int32_t* query_start_loc, const int32_t* seq_lens, int64_t num_s
 template <typename T>
 void run(const Geometry& g, const Batch<T>& batch, const Plan& p, int64_t max_rows) {
   // Small steps stay on one thread: waking others costs more than it saves.
-  constexpr int64_t kKeyVisitsPerThread = 1 << 14;
+  constexpr int64_t kKeyVisitsPerThread = 1 << 12;
   const int64_t threads = std::clamp<int64_t>(
       p.key_visits / kKeyVisitsPerThread, 1,
       std::min<int64_t>(at::get_num_threads(), p.items.size()));
