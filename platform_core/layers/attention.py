@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from platform_core.distributed.parallel_state import check_divisible
 from platform_core.errors import ConfigError
+from platform_core.layers.module import LayerModule
 from platform_core.layers.sharding import Shard
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from platform_core.plugins.interfaces import AttentionOps
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(LayerModule):
     """Causal paged attention of one decoder layer."""
 
     def __init__(

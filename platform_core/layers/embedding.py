@@ -12,10 +12,11 @@ from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.linear import LinearFn
+from platform_core.layers.module import LayerModule
 from platform_core.layers.sharding import Placement, Shard
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(LayerModule):
     """A ``[vocab, hidden]`` table split by vocabulary rows over the ranks of ``tp``.
 
     ``forward`` looks ids up (each rank contributes the rows it holds, then an all-reduce);

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
+from platform_core.layers.module import LayerModule
 from platform_core.layers.sharding import Placement, Shard
 
 # ``F.linear``'s signature: ``(x, weight, bias) -> x @ weight.T (+ bias)``.
@@ -23,7 +24,7 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LayerModule):
     """``y = x @ weight.T (+ bias)`` producing this rank's output rows; no communication.
 
     ``output_shards`` gives, per stacked checkpoint projection, the rows this rank holds. With
@@ -70,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LayerModule):
     """``y = sum over ranks(x_r @ weight_r.T) (+ bias)``: ``x`` holds this rank's input columns.
 
     The partial products are summed with one all-reduce; the bias is added once, after it.

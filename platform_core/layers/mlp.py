@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.activation import SiluAndMulFn
 from platform_core.layers.linear import ColumnParallelLinear, LinearFn, RowParallelLinear
+from platform_core.layers.module import LayerModule
 from platform_core.layers.sharding import Shard
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(LayerModule):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one ``gate_up_proj`` matmul.
 
     Under tensor parallelism each rank holds a slice of the intermediate features (the same

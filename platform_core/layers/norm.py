@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from platform_core.layers.module import LayerModule
+
 RmsNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 """``rms_norm(x, weight, eps) -> Tensor``: normalizes the last dim of ``x`` (2-D activations, or
 3-D ``[T, heads, head_size]`` for per-head q/k norms); returns a new tensor in ``x``'s dtype and
@@ -20,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * normed.to(x.dtype)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(LayerModule):
     """RMS norm over the last dimension with a learned per-channel ``weight``."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, op: RmsNormFn) -> None:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from platform_core.errors import ModelLoadError
+from platform_core.layers.module import LayerModule
 
 RotaryFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]
@@ -109,7 +109,7 @@ class RopeScaling:
         )
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(LayerModule):
     """Owns the ``[max_position, head_size]`` cos/sin cache and gathers it by position."""
 
     def __init__(

@@ -20,6 +20,7 @@ from platform_core.layers.attention import HeadShards, PagedAttention
 from platform_core.layers.embedding import VocabParallelEmbedding
 from platform_core.layers.linear import ColumnParallelLinear, RowParallelLinear
 from platform_core.layers.mlp import GatedMLP
+from platform_core.layers.module import LayerModule
 from platform_core.layers.norm import RMSNorm
 from platform_core.layers.ops import LayerOps, resolve_ops
 from platform_core.layers.rotary import RopeScaling, RotaryEmbedding
@@ -127,7 +128,7 @@ class _Build:
         return RMSNorm(size, self.spec.rms_norm_eps, self.dtype, self.ops.rms_norm)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(LayerModule):
     """Fused q/k/v projection, optional per-head q/k norm, rotary, paged attention, output.
 
     Under tensor parallelism a rank computes its own heads (``HeadShards``); the fused q/k/v
@@ -178,7 +179,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(LayerModule):
     """Pre-norm residual block: attention then gated MLP."""
 
     def __init__(self, build: _Build) -> None:
@@ -210,7 +211,7 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(LayerModule):
     """Embedding, decoder layers and final norm (the checkpoint's ``model.`` prefix)."""
 
     def __init__(self, build: _Build) -> None:
@@ -237,7 +238,7 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(LayerModule):
     """A Llama decoder with its output head; satisfies ``registry.CausalLM``.
 
     Build it under ``torch.device(...)``; parameters are uninitialized until the loader fills
