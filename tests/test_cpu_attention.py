@@ -181,7 +181,8 @@ def test_strided_query_view(ops, path):
 def test_write_kv_matches_reference(ops, path, dtype):
     gen = torch.Generator().manual_seed(1)
     num_blocks, block_size, heads, head_size = 6, 4, 3, 8
-    slots = torch.tensor([5, -1, 0, 23, -1, 17, 4, 12], dtype=torch.int64)
+    # Runs of consecutive slots (a prefill's) share value words; others are written alone.
+    slots = torch.tensor([5, -1, 0, 1, 23, -1, 16, 17, 4, 12, 13], dtype=torch.int64)
     key = torch.randn(len(slots), 2 * heads, head_size, generator=gen)[:, heads:]  # strided rows
     value = torch.randn(len(slots), head_size, heads, generator=gen).transpose(1, 2)  # strided D
     cache = torch.full(ops[path].kv_cache_shape(num_blocks, block_size, heads, head_size), 7.0)
@@ -194,7 +195,8 @@ def test_write_kv_matches_reference(ops, path, dtype):
     shape = (num_blocks, heads, block_size, head_size)
     assert torch.equal(keys.reshape(shape), canonical[0].transpose(1, 2))
     assert torch.equal(values.reshape(shape), canonical[1].transpose(1, 2))
-    assert (cache == 7.0).sum() == 2 * (num_blocks * block_size - 6) * heads * head_size
+    written = int((slots >= 0).sum())
+    assert (cache == 7.0).sum() == 2 * (num_blocks * block_size - written) * heads * head_size
 
 
 def test_kv_cache_shape_is_one_tile_per_block_and_head():

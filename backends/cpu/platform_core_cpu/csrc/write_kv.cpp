@@ -5,21 +5,44 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace platform_core_cpu {
 namespace {
 
-// Writes one token's key and value rows (E: the element's bits) at `offset` of their tiles.
+// Element bits (E) and the word holding a pair of them (P).
 template <typename E>
-void write_token(const E* key, const E* value, E* key_tile, E* value_tile, int64_t offset,
-                 int64_t head_size, int64_t block_size) {
+using PairOf = std::conditional_t<sizeof(E) == 2, uint32_t, uint64_t>;
+
+// Writes one token's key row at `offset` of its key tile: one pair word per dimension pair.
+template <typename E>
+void write_key(const E* key, E* key_tile, int64_t offset, int64_t head_size, int64_t block_size) {
+  using P = PairOf<E>;
+  auto* dst = reinterpret_cast<P*>(key_tile) + offset;
   for (int64_t p = 0; p < head_size / 2; ++p) {
-    E* dst = key_tile + 2 * (p * block_size + offset);
-    dst[0] = key[2 * p];
-    dst[1] = key[2 * p + 1];
+    P word;
+    std::memcpy(&word, key + 2 * p, sizeof word);
+    dst[p * block_size] = word;
   }
-  E* dst = value_tile + 2 * (offset / 2) * head_size + offset % 2;
-  for (int64_t d = 0; d < head_size; ++d) dst[2 * d] = value[d];
+}
+
+// Writes the value rows of the tokens at `offset` and, if `next` is given, `offset + 1`
+// (offset even): their pair row is then written whole, one word per dimension.
+template <typename E>
+void write_values(const E* value, const E* next, E* value_tile, int64_t offset,
+                  int64_t head_size) {
+  using P = PairOf<E>;
+  constexpr int kBits = 8 * sizeof(E);
+  E* row = value_tile + 2 * (offset / 2) * head_size;
+  if (next != nullptr) {
+    auto* dst = reinterpret_cast<P*>(row);
+    for (int64_t d = 0; d < head_size; ++d) {
+      dst[d] = static_cast<P>(value[d]) | (static_cast<P>(next[d]) << kBits);
+    }
+    return;
+  }
+  for (int64_t d = 0; d < head_size; ++d) row[2 * d + offset % 2] = value[d];
 }
 
 template <typename E>
@@ -34,12 +57,18 @@ void scatter(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] < 0) continue;  // padding token
       const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      // A prefill's tokens come in slot order: an even slot and the next one share value words.
+      const bool pair = offset % 2 == 0 && t + 1 < end && slots[t + 1] == slots[t] + 1;
       for (int64_t h = 0; h < heads; ++h) {
         E* tile = cache + block * kv_cache.stride(1) + h * kv_cache.stride(2);
-        write_token(keys + t * key.stride(0) + h * key.stride(1),
-                    values + t * value.stride(0) + h * value.stride(1), tile,
-                    tile + kv_cache.stride(0), offset, head_size, block_size);
+        const E* k = keys + t * key.stride(0) + h * key.stride(1);
+        const E* v = values + t * value.stride(0) + h * value.stride(1);
+        write_key(k, tile, offset, head_size, block_size);
+        if (pair) write_key(k + key.stride(0), tile, offset + 1, head_size, block_size);
+        write_values(v, pair ? v + value.stride(0) : nullptr, tile + kv_cache.stride(0), offset,
+                     head_size);
       }
+      t += pair;
     }
   });
 }
