@@ -1,7 +1,7 @@
 """CPU backend paged attention: compiled kernel and torch fallback against the reference ops.
 
 Each batch is written into the cache through the path's own ``write_kv`` (in the backend's
-per-head layout) and through ``reference_write_kv`` (canonical layout), then both forwards are
+tile layout) and through ``reference_write_kv`` (canonical layout), then both forwards are
 compared. The compiled kernel is built once per machine and cached (see ``kernels.py``).
 """
 
