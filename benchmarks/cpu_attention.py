@@ -1,10 +1,11 @@
 """Compare the CPU backend's attention paths: compiled kernel, torch fallback, reference.
 
 Usage: ``python benchmarks/cpu_attention.py [--threads N] [--block-size 16] [--repeats 5]``
-(with ``platform_core`` and ``platform_core_cpu`` importable). Two workloads, head size 64 with 8
-query / 4 KV heads in bfloat16: a decode batch of 32 sequences with 512 tokens of context each,
-and one 512-token prefill. Block tables are shuffled so blocks are scattered in the cache. The
-first build of the compiled kernel is timed separately (it is cached across runs).
+(with ``platform_core`` and ``platform_core_cpu`` importable). Four workloads, head size 64 with
+8 query / 4 KV heads in bfloat16: decode batches (32 sequences of 512 tokens; 64 of 40-607), one
+512-token prefill, and two prefill chunks beside 60 decodes. Block tables are shuffled so blocks
+are scattered in the cache. The first build of the compiled kernel is timed separately (it is
+cached across runs).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from platform_core.attention.reference import reference_paged_attention
 SHAPE = AttentionShape(heads=8, kv_heads=4, head_size=64, dtype=torch.bfloat16)
 WORKLOADS = {
     "decode 32 x ctx 512": [(512, 1)] * 32,
+    "decode 64 x ctx 40-607": [(40 + 9 * i, 1) for i in range(64)],
     "prefill 512": [(512, 512)],
+    "2 prefills + 60 decodes": [(300, 200), (500, 256)] + [(40 + 9 * i, 1) for i in range(60)],
 }
 
 
@@ -59,7 +62,7 @@ def compare(name: str, specs: list[tuple[int, int]], block_size: int, repeats: i
     torch_ms = best_ms(lambda: fallback.forward(query, cache, metadata, scale), repeats)
     ref_ms = best_ms(lambda: reference_paged_attention(query, canonical, metadata, scale), repeats)
     print(
-        f"{name:20s} compiled {fast:7.2f} ms | torch fallback {torch_ms:7.2f} ms "
+        f"{name:24s} compiled {fast:7.2f} ms | torch fallback {torch_ms:7.2f} ms "
         f"({torch_ms / fast:4.1f}x) | reference {ref_ms:7.2f} ms ({ref_ms / fast:4.1f}x)"
     )
 
