@@ -168,6 +168,7 @@ def build_null_llm(model: str | None, max_running: int, max_len: int, block_size
         enable_prefix_caching=False,
     )
     llm.engine.runner.model = NullModel(llm.engine.runner.model, max_running)
+    llm.engine.runner.graph_runner = None  # a backend's graph runner replays the real model
     return llm
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from platform_core.plugins.interfaces import (
     Capabilities,
     ConfigAdjustment,
 )
+from platform_core_cpu.graph_runner import GRAPHS_ENV, CpuGraphRunner
 
 NAME = "cpu"
 API_VERSION = (1, 0)  # the plugin contract version this package implements
@@ -80,6 +82,24 @@ class CpuBackend(Backend):
         if compiled is not None:
             overrides.update(fused_layer_ops(compiled))
         return overrides
+
+    def graph_runner(
+        self, model: Any, kv_caches: list[torch.Tensor], config: EngineConfig, max_model_len: int
+    ) -> Any:
+        """A captured :class:`~platform_core_cpu.graph_runner.CpuGraphRunner` replaying traces
+        of small steps, or ``None``: with ``enforce_eager``, ``PLATFORM_CORE_CPU_GRAPHS=0``,
+        tensor parallelism, or the torch attention path (which reads metadata in Python)."""
+        if (
+            config.model.enforce_eager
+            or os.environ.get(GRAPHS_ENV, "1") == "0"
+            or config.parallel.tensor_parallel_size > 1
+            or self.attention.compiled_ops() is None
+        ):
+            return None
+        block_size = config.cache.block_size
+        runner = CpuGraphRunner(model, kv_caches, block_size, -(-max_model_len // block_size))
+        runner.capture()
+        return runner
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
         if config.model.dtype != "float16":
