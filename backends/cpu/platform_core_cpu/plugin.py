@@ -86,8 +86,8 @@ class CpuBackend(Backend):
     def graph_runner(
         self, model: Any, kv_caches: list[torch.Tensor], config: EngineConfig, max_model_len: int
     ) -> Any:
-        """A captured :class:`~platform_core_cpu.graph_runner.CpuGraphRunner` replaying traces
-        of small steps, or ``None``: with ``enforce_eager``, ``PLATFORM_CORE_CPU_GRAPHS=0``,
+        """A captured :class:`~platform_core_cpu.graph_runner.CpuGraphRunner` replaying a trace
+        of one-token steps, or ``None``: with ``enforce_eager``, ``PLATFORM_CORE_CPU_GRAPHS=0``,
         tensor parallelism, or the torch attention path (which reads metadata in Python)."""
         if (
             config.model.enforce_eager
