@@ -8,7 +8,12 @@ compared. The compiled kernel is built once per machine and cached (see ``kernel
 from __future__ import annotations
 
 import logging
+import os
+import platform
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import platform_core_cpu.attention as cpu_attention
 import pytest
@@ -27,6 +32,15 @@ from platform_core.attention.reference import (
 from platform_core.errors import BackendError, ConfigError
 
 PATHS = ("compiled", "torch")
+
+
+def _cpu_flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 KV_HEADS = 2
 PAD_BLOCK = 10**6  # table padding: a kernel that reads it crashes or fails the comparison
 
@@ -141,11 +155,12 @@ def test_mixed_batch_matches_reference(ops, path, dtype, block_size, head_size, 
     # Sizes off the vector width (tails of keys and dims); 64 query rows per KV head (MQA-like).
     [(8, 80, 6), (3, 40, 10), (64, 16, 2)],
 )
-def test_unusual_shapes(ops, path, group, head_size, block_size):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unusual_shapes(ops, path, group, head_size, block_size, dtype):
     specs = [(block_size * 4 + 3, block_size * 2), (1, 1), (block_size + 1, 1)]
-    batch = build_batch(specs, group, 1, head_size, block_size, torch.float32, seed=3)
+    batch = build_batch(specs, group, 1, head_size, block_size, dtype, seed=3)
     out, expected = run_both(ops[path], batch)
-    assert_matches(out, expected, torch.float32)
+    assert_matches(out, expected, dtype)
 
 
 @settings(max_examples=25, deadline=None)
@@ -255,3 +270,37 @@ def test_compiled_kernel_rejects_out_of_range_blocks(ops):
     metadata.block_tables[0, 1] = 4  # one past the cache
     with pytest.raises(RuntimeError, match="out of range"):
         ops["compiled"].forward(query, cache, metadata, 0.25)
+
+
+PORTABLE_BF16_CHECK = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+from platform_core_cpu import kernels
+kernels.CFLAGS = (*kernels.CFLAGS, "-mno-avx512bf16")
+build = kernels.load_kernels()
+assert build.ops is not None, build.reason
+assert not build.ops.gemv_supported(), "still built with AVX512-BF16"
+from test_cpu_attention import CpuAttentionOps, assert_matches, build_batch, mixed_specs, run_both
+for head_size, block_size in ((64, 16), (40, 6)):
+    batch = build_batch(mixed_specs(block_size), 4, 2, head_size, block_size, torch.bfloat16)
+    out, expected = run_both(CpuAttentionOps("compiled"), batch)
+    assert_matches(out, expected, torch.bfloat16)
+print("portable bf16 ok")
+"""
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or "avx512_bf16" not in _cpu_flags(),
+    reason="checks the kernel built without AVX512-BF16 on a CPU that has it (x86-64 only)",
+)
+def test_bf16_kernel_built_without_avx512_bf16_matches_reference(tmp_path):
+    """The bf16 path other CPUs compile (pairs split into fp32 lanes), built here on purpose;
+    in a subprocess, since one process can load one build of the ops."""
+    script = PORTABLE_BF16_CHECK.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "PLATFORM_CORE_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "portable bf16 ok" in done.stdout
