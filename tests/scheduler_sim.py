@@ -1,5 +1,7 @@
 """A model-free driver for the scheduler: every sampled token is a function of the sequence."""
 
+from collections.abc import Callable
+
 from platform_core.config import CacheConfig, SchedulerConfig
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -36,9 +38,16 @@ def fake_token(token_ids: list[int]) -> int:
     return (sum(token_ids) * 31 + len(token_ids)) % 97
 
 
-def run_step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
-    """Schedule, 'execute' by the fake rule, update; return the step and who finished."""
+def run_step(
+    scheduler: Scheduler, observe: Callable[[SchedulerOutput], None] | None = None
+) -> tuple[SchedulerOutput, list[Request]]:
+    """Schedule, 'execute' by the fake rule, update; return the step and who finished.
+
+    ``observe`` sees the step's output before it runs (as the model runner would).
+    """
     output = scheduler.schedule()
+    if observe is not None:
+        observe(output)
     sampled = {}
     for item in output.scheduled:
         if item.sample:

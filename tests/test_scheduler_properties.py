@@ -63,4 +63,4 @@ def check_step(s, budget, max_num_seqs):
     assert len(output.scheduled) <= max_num_seqs
     for item in output.scheduled:
         assert item.num_tokens >= 1
-        assert len(item.block_ids) * s.kv.block_size >= item.seq_len
+        assert item.num_blocks * s.kv.block_size >= item.seq_len

@@ -232,10 +232,12 @@ class LLMEngine:
                 continue
             if stop is not None:
                 self.scheduler.finish(sample_id, RequestStatus.FINISHED_STOPPED, stop)
-            touched[state.request_id] = state
-        for state in touched.values():
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
+            # A request that reports only when done needs a look only when a sample ended.
+            if state.stream or sample.request.status.finished:
+                touched[state.request_id] = state
+        for state in touched.values():
             if not state.stream and not state.finished:
                 continue
             output = state.output()

@@ -32,10 +32,26 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # request id -> how many of its blocks the model runner has been sent
+        self._num_sent_blocks: dict[str, int] = {}
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in token order (empty if it holds none)."""
         return self._blocks.get(request_id, [])
+
+    def unsent_block_ids(self, request_id: str) -> tuple[int, list[int]]:
+        """``(first, blocks[first:])``: the request's blocks the model runner has not been sent.
+
+        The runner keeps a running request's block table across steps; each step sends only
+        the new tail. Blocks given up by ``trim`` and replaced are sent again; after ``free``
+        (finish or preemption) the whole table is.
+        """
+        blocks = self._blocks.get(request_id, [])
+        first = self._num_sent_blocks.get(request_id, 0)
+        if first == len(blocks):
+            return first, []  # the common decode step: nothing new
+        self._num_sent_blocks[request_id] = len(blocks)
+        return first, blocks[first:]
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -140,11 +156,14 @@ class KVCacheManager:
             extra = blocks[keep:]
             del blocks[keep:]
             self.pool.free(extra[::-1])
+            sent = self._num_sent_blocks.get(request.request_id, 0)
+            self._num_sent_blocks[request.request_id] = min(sent, keep)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so shared prefixes are evicted last."""
         blocks = self._blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_sent_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free(blocks[::-1])
 

@@ -54,7 +54,7 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         return logits
     vocab = logits.shape[1]
     chosen = [meta.rows[i] for i in rows]
-    params = [r.params for r in chosen]
+    params = [r.sampling_params for r in chosen]
     device = logits.device
     sub = logits[rows]
     output_counts = _token_counts([r.output_token_ids for r in chosen], vocab, device)

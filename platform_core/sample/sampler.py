@@ -61,9 +61,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         processed = self.process(logits, meta)
         tokens = self.argmax(processed)
-        if not meta.all_greedy:
-            sampled = self.draw(self.probabilities(processed, meta), meta.generators)
-            tokens = torch.where(meta.greedy_rows, tokens, sampled)
+        if meta.random is not None:
+            sampled = self.draw(self.probabilities(processed, meta), meta.random.generators)
+            tokens = torch.where(meta.random.greedy_rows, tokens, sampled)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self.logprobs(logits, token_list, meta))
 
@@ -72,14 +72,18 @@ class Sampler:
         return apply_penalties(apply_allowed_bias_and_blocks(logits, meta), meta)
 
     def probabilities(self, processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Each row's sampling distribution (greedy rows get temperature 1; callers ignore them)."""
-        logits = processed / meta.temperature.unsqueeze(1)
-        if meta.needs_min_p:
+        """Each row's sampling distribution (greedy rows get temperature 1; callers ignore them).
+
+        Only for a batch with rows that sample at random (``meta.random`` set).
+        """
+        random = meta.random
+        logits = processed / random.temperature.unsqueeze(1)
+        if random.needs_min_p:
             probs = torch.softmax(logits, dim=-1)
-            floor = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            floor = random.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             logits = logits.masked_fill(probs < floor, float("-inf"))
-        if meta.needs_top_k or meta.needs_top_p:
-            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p, meta.needs_top_p)
+        if random.needs_top_k or random.needs_top_p:
+            logits = apply_top_k_top_p(logits, random.top_k, random.top_p, random.needs_top_p)
         return torch.softmax(logits, dim=-1)
 
     def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -102,8 +106,8 @@ class Sampler:
         result: list[TokenLogprobs | None] = [None] * len(tokens)
         if meta.max_logprobs < 0:
             return result
-        wanted = [i for i, r in enumerate(meta.rows) if r.params.logprobs is not None]
-        counts = [meta.rows[i].params.logprobs for i in wanted]
+        wanted = [i for i, r in enumerate(meta.rows) if r.sampling_params.logprobs is not None]
+        counts = [meta.rows[i].sampling_params.logprobs for i in wanted]
         chosen = torch.tensor([tokens[i] for i in wanted], device=raw_logits.device)
         for i, entry in zip(wanted, compute_logprobs(raw_logits[wanted], chosen, counts)):
             result[i] = entry

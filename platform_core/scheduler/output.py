@@ -17,6 +17,10 @@ from platform_core.sampling_params import SamplingParams
 class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` starting at ``start_position``.
 
+    ``block_ids`` are the request's KV blocks from index ``first_block`` on: the model runner
+    keeps each running request's block table across steps, so a step sends only the blocks added
+    since the request's previous step (``first_block == 0``: the whole table).
+
     ``sample`` is True when this step reaches the end of the known tokens, so the last position's
     logits are sampled. The last ``num_draft_tokens`` of ``token_ids`` are speculative drafts:
     the last ``1 + num_draft_tokens`` positions are all scored and verified. ``fork_ids`` names
@@ -36,10 +40,16 @@ class ScheduledRequest:
     fork_ids: list[str] = field(default_factory=list)
     num_draft_tokens: int = 0
     draft_probs: Any = None
+    first_block: int = 0
 
     @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the request's table once this step's are added."""
+        return self.first_block + len(self.block_ids)
 
     @property
     def num_tokens(self) -> int:

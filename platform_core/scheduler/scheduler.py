@@ -141,7 +141,7 @@ class Scheduler:
         self._finished_ids = []
         self._block_copies = []
         self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += sum(n for _, n in scheduled)
+        self.stats.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
         return output
 
@@ -193,20 +193,25 @@ class Scheduler:
             request.spec_token_ids, request.spec_draft_probs = [], None
             draft_probs = None if draft_probs is None else draft_probs[: len(drafts)]
         end = start + num_new - len(drafts)
-        sample = end == request.num_tokens
+        output_token_ids, prompt_token_ids = request.output_token_ids, request.prompt_token_ids
+        sample = end == len(prompt_token_ids) + len(output_token_ids)
         token_ids = request.token_ids_slice(start, end)
+        forks = request.pending_fork_ids
+        first_block, new_block_ids = self.kv.unsent_block_ids(request.request_id)
+        # Positional arguments (in field order): this runs for every request in every step.
         return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=token_ids + drafts if drafts else token_ids,
-            start_position=start,
-            block_ids=self.kv.block_ids(request.request_id),
-            sample=sample,
-            sampling_params=request.sampling_params,
-            output_token_ids=request.output_token_ids,
-            prompt_token_ids=request.prompt_token_ids,
-            fork_ids=list(request.pending_fork_ids) if sample and request.pending_fork_ids else [],
-            num_draft_tokens=len(drafts),
-            draft_probs=draft_probs,
+            request.request_id,
+            token_ids + drafts if drafts else token_ids,
+            start,
+            new_block_ids,
+            sample,
+            request.sampling_params,
+            output_token_ids,
+            prompt_token_ids,
+            list(forks) if sample and forks else [],
+            len(drafts),
+            draft_probs,
+            first_block,
         )
 
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -229,16 +234,17 @@ class Scheduler:
             if not tokens:
                 cache_computed_blocks(request)
                 continue
-            outcomes = [(request, append_tokens(request, tokens))]
-            if item.fork_ids:
-                children = self._fork(request, item.fork_ids)
-                outcomes += [(c, append_tokens(c, sampled[c.request_id])) for c in children]
+            status = append_tokens(request, tokens)
+            ended = [] if status is None else [(request, status)]
+            for child in self._fork(request, item.fork_ids) if item.fork_ids else ():
+                child_status = append_tokens(child, sampled[child.request_id])
+                if child_status is not None:
+                    ended.append((child, child_status))
             # Accepted drafts are known tokens only now: publish blocks after appending.
             cache_computed_blocks(request)
-            for sample, status in outcomes:
-                if status is not None:
-                    self._finish(sample, status)
-                    finished.append(sample)
+            for sample, sample_status in ended:
+                self._finish(sample, sample_status)
+                finished.append(sample)
         if finished:
             self.running = [r for r in self.running if not r.status.finished]
             self.waiting = deque(r for r in self.waiting if not r.status.finished)

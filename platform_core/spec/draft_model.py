@@ -81,6 +81,7 @@ class DraftModelProposer:
         live = {r.request_id for r in requests}
         self._computed = {k: v for k, v in self._computed.items() if k in live}
         self.generators.retain(live)
+        self.input_builder.retain(live)
         active: list[tuple[Request, int]] = []
         for request, limit in zip(requests, limits):
             count = min(limit, self.num_tokens)

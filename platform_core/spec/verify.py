@@ -40,10 +40,9 @@ def verify(
     processed = sampler.process(logits, meta)
     greedy_tokens = sampler.argmax(processed).tolist()
     probs = None if meta.all_greedy else sampler.probabilities(processed, meta)
-    greedy = meta.greedy_rows.tolist()
     results = []
     for group in groups:
-        if greedy[group.first]:
+        if meta.greedy[group.first]:
             results.append(_verify_greedy(group, greedy_tokens))
         else:
             results.append(_verify_random(sampler, group, probs, meta))
@@ -62,7 +61,7 @@ def _verify_greedy(group: DraftGroup, targets: list[int]) -> list[int]:
 def _verify_random(
     sampler: Sampler, group: DraftGroup, probs: torch.Tensor, meta: SamplingMetadata
 ) -> list[int]:
-    generator = meta.generators[group.first]
+    generator = meta.random.generators[group.first]
     accepted: list[int] = []
     for i, draft in enumerate(group.drafts):
         row = probs[group.first + i]

@@ -197,3 +197,4 @@ class ModelRunner:
             self.execute(SchedulerOutput(scheduled=dummies))
         finally:
             self.kv_caches = saved
+            self.input_builder.release([d.request_id for d in dummies])

@@ -49,17 +49,14 @@ class StepSampler:
         if any(r.num_draft_tokens or r.fork_ids for r in requests):
             self._sample_forks_and_drafts(requests, logits, result)
             return
-        # One logits row per request, one token each.
-        rows = [
-            SampleRow(r.request_id, r.sampling_params, r.prompt_token_ids, r.output_token_ids)
-            for r in requests
-        ]
-        meta = build_sampling_metadata(rows, self.generators, self.eos_token_ids, logits.device)
+        # One logits row per request, one token each: the requests are the rows.
+        meta = build_sampling_metadata(requests, self.generators, self.eos_token_ids, logits.device)
         sampled = self.sampler(logits, meta)
-        result.sampled = {row.request_id: [t] for row, t in zip(rows, sampled.token_ids)}
-        for row, entry in zip(rows, sampled.logprobs):
-            if entry is not None:
-                result.logprobs[row.request_id] = [entry]
+        result.sampled = {r.request_id: [t] for r, t in zip(requests, sampled.token_ids)}
+        if meta.max_logprobs >= 0:
+            for request, entry in zip(requests, sampled.logprobs):
+                if entry is not None:
+                    result.logprobs[request.request_id] = [entry]
 
     def _sample_forks_and_drafts(
         self, requests: list[ScheduledRequest], logits: torch.Tensor, result: ModelRunnerOutput
