@@ -143,16 +143,24 @@ class RequestState:
 
     def output(self, error: str | None = None) -> RequestOutput:
         """The request as callers see it now; with ``error`` it is final and failed."""
-        finished = self.finished or error is not None
+        # One pass over the samples (this runs for every streamed request in every step).
+        completions = []
+        num_preemptions = 0
+        samples_finished = len(self.samples) == self.params.n
+        for sample in self.samples:
+            completion = sample.completion()
+            completions.append(completion)
+            num_preemptions += sample.request.num_preemptions
+            samples_finished = samples_finished and completion.finish_reason is not None
         first = self.samples[0].request
         self.metrics.num_cached_tokens = first.num_cached_tokens
-        self.metrics.num_preemptions = sum(s.request.num_preemptions for s in self.samples)
+        self.metrics.num_preemptions = num_preemptions
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.completion() for s in self.samples],
-            finished=finished,
+            outputs=completions,
+            finished=samples_finished or error is not None,
             metrics=self.metrics,
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=first.num_cached_tokens,
