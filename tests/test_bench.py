@@ -271,11 +271,15 @@ def test_bench_latency_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert result["mean_s"] == pytest.approx(sum(latencies) / 4)
 
 
-def test_null_model_overhead(tiny_model_dir):
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_null_model_overhead(tiny_model_dir, prefix_caching):
     from platform_core.bench.overhead import PHASES, NullModel, build_null_llm, measure_overhead
     from platform_core.sampling_params import SamplingParams
 
-    llm = build_null_llm(str(tiny_model_dir("llama")), max_running=4, max_len=64, block_size=8)
+    llm = build_null_llm(
+        str(tiny_model_dir("llama")), 4, max_len=64, block_size=8, prefix_caching=prefix_caching
+    )
+    assert llm.engine.scheduler.kv.enable_prefix_caching is prefix_caching
     model = llm.engine.runner.model
     assert isinstance(model, NullModel)
     favourite = model.favourite

@@ -143,7 +143,13 @@ def measure_overhead(
     }
 
 
-def build_null_llm(model: str | None, max_running: int, max_len: int, block_size: int) -> Any:
+def build_null_llm(
+    model: str | None,
+    max_running: int,
+    max_len: int,
+    block_size: int,
+    prefix_caching: bool = False,
+) -> Any:
     """An ``LLM`` on ``model`` (default: a one-layer random Llama) with a ``NullModel``."""
     from platform_core.bench.random_model import RandomLlamaSpec, build_random_llama
     from platform_core.entrypoints.llm import LLM
@@ -165,7 +171,7 @@ def build_null_llm(model: str | None, max_running: int, max_len: int, block_size
         num_gpu_blocks_override=blocks,
         block_size=block_size,
         max_num_batched_tokens=max(2048, max_running),
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
     )
     llm.engine.runner.model = NullModel(llm.engine.runner.model, max_running)
     llm.engine.runner.graph_runner = None  # a backend's graph runner replays the real model
@@ -181,6 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
+        "--prefix-caching",
+        choices=("on", "off"),
+        default="off",
+        help="publish completed blocks to the prefix cache as the engine's default does (the "
+        "random prompts never hit it; 'on' adds the bookkeeping)",
+    )
+    parser.add_argument(
         "--final-outputs-only",
         action="store_true",
         help="requests report only when finished (as LLM.generate) instead of every step",
@@ -189,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.num_steps + 2 * max(sizes) + 1
-    llm = build_null_llm(args.model, max(sizes), max_len, args.block_size)
+    llm = build_null_llm(
+        args.model, max(sizes), max_len, args.block_size, args.prefix_caching == "on"
+    )
     stream = not args.final_outputs_only
     rows = [measure_overhead(llm, n, args.num_steps, args.prompt_len, 0, stream) for n in sizes]
     print(

@@ -132,13 +132,15 @@ class KVCacheManager:
         """Publish the request's newly completed full blocks to the prefix cache."""
         if not self.enable_prefix_caching:
             return
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if request.num_computed_tokens // self.block_size <= start:
+            return  # no block completed since the last call: most decode steps
         blocks = self._blocks.get(request.request_id)
         if not blocks:
             return
         # Tokens computed past a stop (accepted drafts after EOS) are never published.
         computed = min(request.num_computed_tokens, request.num_tokens)
         num_full = min(computed // self.block_size, len(blocks))
-        start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
         hashes = self._hashes_of(request)
