@@ -293,3 +293,15 @@ def test_null_model_overhead(tiny_model_dir, prefix_caching):
     assert all(result[f"{p}_ms_mean"] >= 0 for p in PHASES)
     assert result["other_ms_mean"] > -1e-6
     assert llm.stats()["num_running"] == 0  # measured requests were aborted
+
+
+def test_null_model_logits_come_in_the_models_dtype():
+    from platform_core.bench.overhead import build_null_llm
+    from platform_core.sampling_params import SamplingParams
+
+    llm = build_null_llm(None, 2, max_len=32, block_size=8, dtype="bfloat16")
+    model = llm.engine.runner.model
+    assert str(model.logits.dtype) == "torch.bfloat16"
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": [3, 4]}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [model.favourite] * 2

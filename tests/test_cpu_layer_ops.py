@@ -96,21 +96,27 @@ def test_unsupported_inputs_take_the_default_ops(fused):
     assert_matches(mixed[0], apply_rotary(q, k, cos.double(), sin.double())[0])
 
 
-def test_compiled_argmax_answers_as_torch_does(fused):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_argmax_answers_as_torch_does(fused, dtype):
     gen = torch.Generator().manual_seed(3)
-    for shape in [(256, 32000), (3, 7), (5, 16), (2, 49153)]:
-        x = torch.randn(shape, generator=gen)
+    for shape in [(256, 32000), (3, 7), (5, 16), (2, 49153), (4, 1000)]:
+        x = torch.randn(shape, generator=gen).to(dtype)  # bf16: many ties
         assert torch.equal(fused["argmax"](x), x.argmax(dim=-1))
-    x = torch.randn(7, 40, generator=gen)
-    x[0] = float("-inf")  # all equal: the first index
-    x[1, 5] = x[1, 30] = 100.0  # a tie: the first one
-    x[2, 7] = x[2, 3] = float("nan")  # NaN counts as maximal: the first NaN
-    x[3, 38] = float("nan")  # in the tail past the vector part
-    x[4] = 1.0
-    x[5, 17] = x[5, 33] = float("inf")
-    x[6, 39] = 1e30  # the maximum in the tail
-    assert torch.equal(fused["argmax"](x), x.argmax(dim=-1))
-    half = x.to(torch.bfloat16)  # other dtypes: torch's argmax
+    # Rows of 40 are all tail; rows of 1000 are three 256-element chunks and a tail.
+    for width in (40, 1000):
+        x = torch.randn(9, width, generator=gen)
+        x[0] = float("-inf")  # all equal: the first index
+        x[1, 5] = x[1, 30] = 100.0  # a tie: the first one
+        x[2, 7] = x[2, 3] = float("nan")  # NaN counts as maximal: the first NaN
+        x[3, width - 2] = float("nan")  # in the tail
+        x[4] = 1.0
+        x[5, 17] = x[5, 33] = float("inf")
+        x[6, width - 1] = 1e30  # the maximum in the tail
+        x[7, width - 3] = x[7, 20] = 50.0  # tied between a chunk and the tail
+        x[8, 600 % width] = x[8, 300 % width] = 70.0  # tied across two chunks
+        x = x.to(dtype)
+        assert torch.equal(fused["argmax"](x), x.argmax(dim=-1))
+    half = x.to(torch.float16)  # other dtypes: torch's argmax
     assert torch.equal(fused["argmax"](half), half.argmax(dim=-1))
 
 

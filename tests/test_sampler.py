@@ -64,6 +64,31 @@ def test_the_backends_argmax_picks_greedy_and_sampled_tokens():
     assert len(calls) == 3  # greedy candidates, then the exponential race
 
 
+def test_narrow_logits_greedy_as_they_are_everything_else_in_float32():
+    dtypes = []
+
+    def recording_argmax(x):
+        dtypes.append(x.dtype)
+        return x.argmax(dim=-1)
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(5)).bfloat16()
+    sampler = Sampler(torch.Generator().manual_seed(0), argmax=recording_argmax)
+    greedy = SamplingParams(temperature=0.0)
+    out = sampler(logits, meta_for([greedy] * 4))
+    assert dtypes == [torch.bfloat16]  # no widened copy for a plain greedy batch
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    dtypes.clear()
+    biased = SamplingParams(temperature=0.0, logit_bias={7: 100.0}, logprobs=2)
+    out = sampler(logits, meta_for([biased, greedy, greedy, greedy]))
+    assert dtypes == [torch.float32] and out.token_ids[0] == 7
+    # Logprobs are of the raw logits, computed in float32 either way.
+    wide = sampler(logits.float(), meta_for([biased, greedy, greedy, greedy]))
+    assert out.logprobs[0] == wide.logprobs[0]
+    probs = sampler.probabilities(logits, meta_for([SamplingParams(temperature=0.7)] * 4))
+    assert probs.dtype == torch.float32
+    assert torch.allclose(probs.sum(dim=-1), torch.ones(4))
+
+
 def test_top_k_and_top_p_masks():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     masked = apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([1.0]))

@@ -1,19 +1,21 @@
 """Engine overhead per step, with the model replaced by one that costs nothing.
 
 ``NullModel`` has the attributes the runner reads and answers instantly: zero hidden states and
-logits rows it made once (distinct memory per row, so the sampler scans as many bytes as it would
-behind a real head; every row's maximum is the same token). What remains of a step is the
-engine's own work, timed by phase: ``schedule`` (``Scheduler.schedule``), ``plan`` (host-side
-input building, ``ModelRunner.plan``), ``forward`` (moving inputs to the device and the null
-forward, ``ModelRunner.forward``), ``sample`` (``ModelRunner.step_sampler``), ``update``
-(``Scheduler.update``) and ``other``: the rest of ``LLMEngine.step`` (deadline checks, building
-outputs, detokenizing when the model has a tokenizer). Steps are timed once all ``N`` requests are
-running and decoding, so each step is exactly ``N`` decode tokens. ``--final-outputs-only`` adds
-the requests as ``LLM.generate`` does (no per-step outputs).
+logits rows it made once in the model's dtype (distinct memory per row, so the sampler scans as
+many bytes as it would behind a real head; every row's maximum is the same token). What remains
+of a step is the engine's own work, timed by phase: ``schedule`` (``Scheduler.schedule``),
+``plan`` (host-side input building, ``ModelRunner.plan``), ``forward`` (moving inputs to the
+device and the null forward, ``ModelRunner.forward``), ``sample``
+(``ModelRunner.step_sampler``), ``update`` (``Scheduler.update``) and ``other``: the rest of
+``LLMEngine.step`` (deadline checks, building outputs, detokenizing when the model has a
+tokenizer). Steps are timed once all ``N`` requests are running and decoding, so each step is
+exactly ``N`` decode tokens. ``--final-outputs-only`` adds the requests as ``LLM.generate`` does
+(no per-step outputs).
 
 Run: ``python -m platform_core.bench.overhead [--model DIR] [--batch-sizes 32,128,256]``.
-Without ``--model`` a one-layer random Llama with a 32000-token vocabulary is built (the vocabulary
-size sets the sampler's cost; the layers do not matter).
+Without ``--model`` a one-layer random Llama with a 32000-token vocabulary is built in ``--dtype``
+(float32 unless given: the vocabulary size and the logits' dtype set the sampler's cost; the
+layers do not matter).
 """
 
 from __future__ import annotations
@@ -48,14 +50,15 @@ class NullModel(torch.nn.Module):
         super().__init__()
         for name in ("num_layers", "num_heads", "num_kv_heads", "head_size", "vocab_size"):
             setattr(self, name, getattr(like, name))
+        self.dtype = next(like.parameters()).dtype
         self.generator = torch.Generator().manual_seed(seed)
         self.favourite = int(torch.randint(self.vocab_size, (), generator=self.generator))
         self.logits = self._make_rows(max_rows)
 
     def _make_rows(self, rows: int) -> torch.Tensor:
         logits = torch.randn(rows, self.vocab_size, generator=self.generator)
-        logits[:, self.favourite] = logits.max() + 1.0
-        return logits
+        logits[:, self.favourite] = logits.max() + 1.0  # still the largest after rounding
+        return logits.to(self.dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Any, metadata: Any
@@ -149,8 +152,10 @@ def build_null_llm(
     max_len: int,
     block_size: int,
     prefix_caching: bool = False,
+    dtype: str = "float32",
 ) -> Any:
-    """An ``LLM`` on ``model`` (default: a one-layer random Llama) with a ``NullModel``."""
+    """An ``LLM`` on ``model`` (default: a one-layer random Llama in ``dtype``) with a
+    ``NullModel``."""
     from platform_core.bench.random_model import RandomLlamaSpec, build_random_llama
     from platform_core.entrypoints.llm import LLM
 
@@ -161,7 +166,7 @@ def build_null_llm(
             num_attention_heads=2,
             num_key_value_heads=1,
             intermediate_size=128,
-            dtype="float32",
+            dtype=dtype,
         )
         model = str(build_random_llama(tempfile.mkdtemp(prefix="null-llama-"), spec))
     blocks = max_running * -(-max_len // block_size) + 1
@@ -194,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         "random prompts never hit it; 'on' adds the bookkeeping)",
     )
     parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="dtype of the default random Llama, so of the logits the sampler reads "
+        "(bfloat16: what a bf16 model serves on this CPU)",
+    )
+    parser.add_argument(
         "--final-outputs-only",
         action="store_true",
         help="requests report only when finished (as LLM.generate) instead of every step",
@@ -203,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     max_len = args.prompt_len + args.num_steps + 2 * max(sizes) + 1
     llm = build_null_llm(
-        args.model, max(sizes), max_len, args.block_size, args.prefix_caching == "on"
+        args.model, max(sizes), max_len, args.block_size, args.prefix_caching == "on", args.dtype
     )
     stream = not args.final_outputs_only
     rows = [measure_overhead(llm, n, args.num_steps, args.prompt_len, 0, stream) for n in sizes]

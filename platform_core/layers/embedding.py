@@ -58,14 +58,13 @@ class VocabParallelEmbedding(LayerModule):
         return self._communicator.all_reduce(rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32 over the full vocabulary, on every rank.
-
-        The matmul and the gather run in the model's dtype.
-        """
+        """``[N, hidden] -> [N, vocab]`` over the full vocabulary in the model's dtype, on every
+        rank (the sampler widens to float32 only what it computes with: a greedy row's argmax
+        reads the model's dtype as it is)."""
         logits = self._linear(hidden, self.weight, None)
         if self._communicator is not None:
             logits = self._communicator.all_gather(logits, dim=-1)[..., : self.vocab_size]
-        return logits.float()
+        return logits
 
     def extra_repr(self) -> str:
         shard = self.shard

@@ -296,7 +296,8 @@ class LlamaForCausalLM(LayerModule):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden] -> [N, vocab]`` float32 logits of the full vocabulary, on every rank."""
+        """``[N, hidden] -> [N, vocab]`` logits of the full vocabulary in the model's dtype, on
+        every rank."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return head.logits(hidden)
 

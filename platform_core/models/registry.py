@@ -56,7 +56,8 @@ class CausalLM(Protocol):
         """``[T]`` ids and positions -> ``[T, hidden]`` hidden states."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, vocab]`` float32 logits."""
+        """``[N, hidden]`` -> ``[N, vocab]`` logits in the model's dtype (float32 or narrower;
+        the sampler widens what it computes with)."""
 
     def is_ignored_weight(self, name: str) -> bool:
         """Whether a checkpoint tensor of this name is skipped rather than reported."""

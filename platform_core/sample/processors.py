@@ -1,7 +1,7 @@
 """Logit processors: masks, biases and penalties, each one batched tensor operation.
 
-Every function takes float32 logits ``[rows, vocab]`` and returns processed logits; rows that do
-not ask for a processor are untouched.
+Every function takes float32 logits ``[rows, vocab]`` (the sampler widens narrower ones first)
+and returns processed logits; rows that do not ask for a processor are untouched.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class SamplerOutput:
 
 
 ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
-"""``argmax(x) -> Tensor``: ``torch.argmax(x, dim=-1)`` of float32 ``[rows, vocab]`` (the first
+"""``argmax(x) -> Tensor``: ``torch.argmax(x, dim=-1)`` of ``[rows, vocab]`` logits, float32 or
+the model's narrower dtype (the first
 maximal index; a NaN counts as maximal), int64 ``[rows]``."""
 
 
@@ -45,7 +46,11 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Turns float32 logits ``[rows, vocab]`` into one token id per row.
+    """Turns logits ``[rows, vocab]`` into one token id per row.
+
+    Logits may come in the model's dtype (bf16, fp16): greedy rows take their argmax as they are
+    (widening is exact, so the token is the same), while processing, sampling and logprobs run in
+    float32.
 
     The steps are public so speculative verification can reuse them: ``process`` (masks, biases,
     penalties), ``probabilities`` (temperature, min-p, top-k, top-p) and ``draw``. ``argmax`` is
@@ -68,8 +73,12 @@ class Sampler:
         return SamplerOutput(token_list, self.logprobs(logits, token_list, meta))
 
     def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Logits after allowed-token masks, biases, ``min_tokens`` blocks and penalties."""
-        return apply_penalties(apply_allowed_bias_and_blocks(logits, meta), meta)
+        """Logits after allowed-token masks, biases, ``min_tokens`` blocks and penalties (float32
+        when any applies; otherwise the logits as they came)."""
+        nothing_to_apply = meta.allowed is None and meta.bias is None and meta.blocked is None
+        if nothing_to_apply and not meta.penalty_rows:
+            return logits
+        return apply_penalties(apply_allowed_bias_and_blocks(logits.float(), meta), meta)
 
     def probabilities(self, processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Each row's sampling distribution (greedy rows get temperature 1; callers ignore them).
@@ -77,7 +86,7 @@ class Sampler:
         Only for a batch with rows that sample at random (``meta.random`` set).
         """
         random = meta.random
-        logits = processed / random.temperature.unsqueeze(1)
+        logits = processed.float() / random.temperature.unsqueeze(1)
         if random.needs_min_p:
             probs = torch.softmax(logits, dim=-1)
             floor = random.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values

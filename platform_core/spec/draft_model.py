@@ -148,7 +148,7 @@ class DraftModelProposer:
         params = request.sampling_params
         if params.greedy:
             return int(logits.argmax()), None
-        q = torch.softmax(logits / params.temperature, dim=-1)
+        q = torch.softmax(logits.float() / params.temperature, dim=-1)
         generator = self.generators.get(request.request_id, params.seed)
         token = int(torch.multinomial(q, 1, generator=generator))
         return token, q

@@ -138,7 +138,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Block copies, the forward pass and the planned rows' float32 logits.
+        """Block copies, the forward pass and the planned rows' logits (in the model's dtype).
 
         Collective under tensor parallelism: every rank calls it with the same plan.
         """

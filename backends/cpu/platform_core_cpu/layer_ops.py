@@ -56,7 +56,7 @@ def fused_layer_ops(ops: Any) -> dict[str, Callable[..., Any]]:
         return query, key
 
     def compiled_argmax(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0:
+        if _rows_ok(x) and x.shape[1] > 0:
             return ops.argmax_rows(x)
         return row_argmax(x)
 

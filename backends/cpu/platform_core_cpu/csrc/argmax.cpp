@@ -1,5 +1,5 @@
-// Row-wise argmax of float32 logits, as torch.argmax(dim=-1) answers it (the first maximal
-// index; the first NaN if a row holds one), vectorized and split across threads by rows:
+// Row-wise argmax of float32 or bf16 logits, as torch.argmax(dim=-1) answers it (the first
+// maximal index; the first NaN if a row holds one), vectorized and split across threads by rows:
 // torch's own kernel scans one element at a time.
 
 #include "cpu_kernels.h"
@@ -14,59 +14,107 @@
 namespace platform_core_cpu {
 namespace {
 
-int64_t row_argmax(const float* x, int64_t n) {
+constexpr int64_t kChunk = 16 * kLanes;  // elements per chunk: sixteen 16-lane vectors
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
+
+// Maximum of one full chunk; NaN lanes are skipped and reported through `nan_seen`. Four
+// independent maxima keep the loads streaming.
+inline float chunk_max(const float* x, ivec16& nan_seen) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  vec16 best = splat(kNegInf);
-  ivec16 best_at = {};
-  ivec16 at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  ivec16 nan_seen = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes, at += kLanes) {
-    const vec16 v = load16(x + i);
-    nan_seen |= (v != v);
-    const ivec16 better = v > best;  // strict: each lane keeps its first maximum
-    best = better ? v : best;
-    best_at = better ? at : best_at;
+  vec16 m[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
+  for (int64_t k = 0; k < kChunk; k += 4 * kLanes) {
+    for (int u = 0; u < 4; ++u) {
+      const vec16 v = load16(x + k + u * kLanes);
+      nan_seen |= (v != v);
+      m[u] = vmax(v, m[u]);  // a NaN `v` compares false and leaves the maximum as it was
+    }
   }
-  float value = kNegInf;
-  int64_t index = -1;  // lanes that saw only -inf keep index 0: right when the row is all -inf
-  for (int64_t lane = 0; i > 0 && lane < kLanes; ++lane) {
-    if (index < 0 || best[lane] > value || (best[lane] == value && best_at[lane] < index)) {
-      value = best[lane];
-      index = best_at[lane];
+  return hmax(vmax(vmax(m[0], m[1]), vmax(m[2], m[3])));
+}
+
+// The same over bf16 bit patterns, widened 32 at a time (even and odd elements apart: order
+// inside a chunk does not matter for its maximum).
+inline float chunk_max(const uint16_t* x, ivec16& nan_seen) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  vec16 m[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
+  for (int64_t k = 0; k < kChunk; k += 4 * kLanes) {
+    for (int u = 0; u < 2; ++u) {
+      vec16 even, odd;
+      load_pairs(x + k + 2 * u * kLanes, kLanes, even, odd);
+      nan_seen |= (even != even) | (odd != odd);
+      m[2 * u] = vmax(even, m[2 * u]);
+      m[2 * u + 1] = vmax(odd, m[2 * u + 1]);
+    }
+  }
+  return hmax(vmax(vmax(m[0], m[1]), vmax(m[2], m[3])));
+}
+
+// The first maximal index of x[0, n): the first NaN if there is one. The scan keeps only each
+// chunk's maximum (no index bookkeeping in the loop), then finds the first chunk holding the
+// row's maximum and the first position within it.
+template <typename T>
+int64_t row_argmax(const T* x, int64_t n) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  ivec16 nan_seen = {};
+  float best = kNegInf;
+  int64_t best_chunk = 0;
+  const int64_t num_chunks = n / kChunk;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const float m = chunk_max(x + c * kChunk, nan_seen);
+    if (m > best) {  // strict: ties keep the earlier chunk
+      best = m;
+      best_chunk = c;
     }
   }
   bool has_nan = false;
   for (int64_t lane = 0; lane < kLanes; ++lane) has_nan |= nan_seen[lane] != 0;
-  for (int64_t j = i; j < n; ++j) {  // the tail
-    has_nan |= std::isnan(x[j]);
-    if (index < 0 || x[j] > value) {
-      value = x[j];
+  int64_t index = -1;
+  for (int64_t j = num_chunks * kChunk; j < n; ++j) {  // the tail, one element at a time
+    const float v = to_float(x[j]);
+    has_nan |= std::isnan(v);
+    if (v > best) {
+      best = v;
       index = j;
     }
   }
   if (has_nan) {
     for (int64_t j = 0; j < n; ++j) {
-      if (std::isnan(x[j])) return j;
+      if (std::isnan(to_float(x[j]))) return j;
     }
   }
-  return index < 0 ? 0 : index;
+  if (index >= 0) return index;
+  if (num_chunks == 0) return 0;  // a short row of -inf only
+  for (int64_t j = best_chunk * kChunk;; ++j) {
+    if (to_float(x[j]) == best) return j;
+  }
+}
+
+template <typename T>
+void argmax_rows_of(const T* src, int64_t rows, int64_t n, int64_t stride, int64_t* dst) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / n);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dst[r] = row_argmax(src + r * stride, n);
+  });
 }
 
 }  // namespace
 
 at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
-              "argmax_rows: float32 [rows, n] with contiguous rows");
+  const bool is_float = x.scalar_type() == at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (is_float || x.scalar_type() == at::kBFloat16),
+              "argmax_rows: float32 or bfloat16 [rows, n] with contiguous rows");
   TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows must not be empty");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* src = x.data_ptr<float>();
   int64_t* dst = out.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / n);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dst[r] = row_argmax(src + r * stride, n);
-  });
+  if (is_float) {
+    argmax_rows_of(x.data_ptr<float>(), rows, n, stride, dst);
+  } else {
+    argmax_rows_of(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), rows, n,
+                   stride, dst);
+  }
   return out;
 }
 
