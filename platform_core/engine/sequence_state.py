@@ -95,14 +95,15 @@ class SampleState:
             if params.stop and not request.status.finished:
                 # Hold back what could still become a stop string.
                 text = text[: max(0, len(text) - (max(len(s) for s in params.stop) - 1))]
+        # Positional arguments (in field order): a streamed request builds one every step.
         return CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            cumulative_logprob=self.cumulative_logprob,
+            self.index,
+            text,
+            list(request.output_token_ids),
+            request.status.finish_reason,
+            request.stop_reason,
+            None if self.logprobs is None else list(self.logprobs),
+            self.cumulative_logprob,
         )
 
 
@@ -155,14 +156,14 @@ class RequestState:
         first = self.samples[0].request
         self.metrics.num_cached_tokens = first.num_cached_tokens
         self.metrics.num_preemptions = num_preemptions
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=completions,
-            finished=samples_finished or error is not None,
-            metrics=self.metrics,
-            prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=first.num_cached_tokens,
-            error=error,
+        return RequestOutput(  # positional, in field order, as above
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            samples_finished or error is not None,
+            self.metrics,
+            self.prompt_logprobs,
+            first.num_cached_tokens,
+            error,
         )

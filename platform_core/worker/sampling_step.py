@@ -29,7 +29,13 @@ class StepSampler:
         """``logits`` holds one row per ``plan.logits_rows`` entry."""
         self.generators.drop(output.finished_ids)
         result = ModelRunnerOutput()
-        requests = [output.scheduled[i] for i in plan.batch.sample_rows]
+        sample_rows = plan.batch.sample_rows
+        scheduled = output.scheduled
+        requests = (
+            scheduled
+            if len(sample_rows) == len(scheduled)  # every request samples (decodes)
+            else [scheduled[i] for i in sample_rows]
+        )
         if requests:
             self._sample(requests, logits[: plan.num_sample_rows], result)
         for rows in plan.prompt_rows:
