@@ -16,6 +16,7 @@ import torch
 from platform_core.config import EngineConfig
 from platform_core.errors import ConfigError
 from platform_core.kv_cache.manager import KVCacheManager
+from platform_core.layers.ops import resolve_ops
 from platform_core.plugins.interfaces import Backend
 from platform_core.sample.metadata import GeneratorStore
 from platform_core.sampling_params import SamplingParams
@@ -42,9 +43,11 @@ class DraftModelProposer:
         self.dtype = dtype
         model_dir = resolve_model_path(spec.draft_model)
         hf_config = load_hf_config(model_dir, config.model.trust_remote_code)
+        overrides = backend.op_overrides()
         self.model = load_model(
-            model_dir, hf_config, dtype, backend.device, backend.attention, backend.op_overrides()
+            model_dir, hf_config, dtype, backend.device, backend.attention, overrides
         )
+        self.argmax = resolve_ops(overrides).argmax  # the backend's row argmax, as the sampler's
         if self.model.vocab_size != vocab:
             raise ConfigError(
                 f"the draft model's vocabulary ({self.model.vocab_size}) differs from the "
@@ -94,11 +97,12 @@ class DraftModelProposer:
         items = [self._catch_up_item(r, kv) for r, _ in active]
         for step in range(max(count for _, count in active)):
             logits = self._forward(items)
+            greedy_tokens = self.argmax(logits).tolist()
             next_items = []
-            for (request, count), item, row in zip(active, items, logits):
+            for (request, count), item, row, greedy in zip(active, items, logits, greedy_tokens):
                 if step >= count:
                     continue
-                token, q = self._pick(request, row)
+                token, q = self._pick(request, row, greedy)
                 drafts[request.request_id].append(token)
                 probs[request.request_id].append(q)
                 self._computed[request.request_id] = item.seq_len
@@ -143,11 +147,12 @@ class DraftModelProposer:
         )
         return self.model.compute_logits(hidden[model_input.logits_indices])
 
-    def _pick(self, request: Request, logits: torch.Tensor) -> tuple[int, Any]:
-        """The draft token and the distribution it was drawn from (``None`` when greedy)."""
+    def _pick(self, request: Request, logits: torch.Tensor, greedy: int) -> tuple[int, Any]:
+        """The draft token and the distribution it was drawn from (``None`` when greedy, whose
+        token is ``greedy``, the row's argmax)."""
         params = request.sampling_params
         if params.greedy:
-            return int(logits.argmax()), None
+            return greedy, None
         q = torch.softmax(logits.float() / params.temperature, dim=-1)
         generator = self.generators.get(request.request_id, params.seed)
         token = int(torch.multinomial(q, 1, generator=generator))
