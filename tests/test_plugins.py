@@ -6,10 +6,11 @@ import logging
 from importlib.metadata import EntryPoint
 
 import pytest
+import torch
 
 from platform_core import LLM, SamplingParams
 from platform_core.errors import BackendError, UnsupportedByBackendError
-from platform_core.plugins.hookspecs import ENTRY_POINT_GROUP, hookimpl
+from platform_core.plugins.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, hookimpl
 from platform_core.plugins.interfaces import BackendInfo
 from platform_core.plugins.manager import PluginManager
 
@@ -72,7 +73,8 @@ def test_probe_errors_and_incompatible_api_make_rows_unavailable():
     assert not rows["raising"].available and "driver exploded" in rows["raising"].reason
     future = rows["future"]
     assert not future.available
-    assert "plugin API 2.0" in future.reason and "provides 1.0" in future.reason
+    core = ".".join(map(str, PLUGIN_API_VERSION))
+    assert "plugin API 2.0" in future.reason and f"provides {core}" in future.reason
     with pytest.raises(BackendError, match="no backend is available"):
         manager.choose("auto")
 
@@ -162,3 +164,15 @@ def test_unset_block_size_takes_the_backends_preferred_size(tiny_model_dir, capl
     assert chosen.engine.config.cache.block_size == 32  # a set size is kept
     dummy = LLM(str(tiny_model_dir("llama")), backend="dummy", dtype="float32")
     assert dummy.engine.config.cache.block_size == 32  # declares none: 16, then its adjustment
+
+
+@pytest.mark.parametrize("requested", ["auto", "float32"])
+def test_auto_dtype_takes_the_backends_choice_for_float32_checkpoints(tiny_model_dir, requested):
+    from platform_core_cpu.plugin import CAPABILITIES, cpu_supports_bf16
+
+    assert CAPABILITIES.auto_float32_dtype == ("bfloat16" if cpu_supports_bf16() else None)
+    llm = LLM(str(tiny_model_dir("llama")), dtype=requested, backend="cpu")  # a float32 checkpoint
+    chosen = CAPABILITIES.auto_float32_dtype if requested == "auto" else None
+    expected = chosen or "float32"  # an explicit float32 is kept
+    assert llm.engine.config.model.dtype == expected
+    assert {p.dtype for p in llm.engine.runner.model.parameters()} == {getattr(torch, expected)}

@@ -13,9 +13,10 @@ exactly ``N`` decode tokens. ``--final-outputs-only`` adds the requests as ``LLM
 (no per-step outputs).
 
 Run: ``python -m platform_core.bench.overhead [--model DIR] [--batch-sizes 32,128,256]``.
-Without ``--model`` a one-layer random Llama with a 32000-token vocabulary is built in ``--dtype``
-(float32 unless given: the vocabulary size and the logits' dtype set the sampler's cost; the
-layers do not matter).
+Without ``--model`` a one-layer float32 random Llama with a 32000-token vocabulary is built (the
+vocabulary size and the logits' dtype set the sampler's cost; the layers do not matter).
+``--dtype`` is the engine's (``auto``: what the backend runs a float32 checkpoint in, bf16 on CPUs
+with native bf16), so the dtype of the logits the sampler reads.
 """
 
 from __future__ import annotations
@@ -152,9 +153,9 @@ def build_null_llm(
     max_len: int,
     block_size: int,
     prefix_caching: bool = False,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> Any:
-    """An ``LLM`` on ``model`` (default: a one-layer random Llama in ``dtype``) with a
+    """An ``LLM`` in ``dtype`` on ``model`` (default: a one-layer float32 random Llama) with a
     ``NullModel``."""
     from platform_core.bench.random_model import RandomLlamaSpec, build_random_llama
     from platform_core.entrypoints.llm import LLM
@@ -166,7 +167,7 @@ def build_null_llm(
             num_attention_heads=2,
             num_key_value_heads=1,
             intermediate_size=128,
-            dtype=dtype,
+            dtype="float32",
         )
         model = str(build_random_llama(tempfile.mkdtemp(prefix="null-llama-"), spec))
     blocks = max_running * -(-max_len // block_size) + 1
@@ -177,6 +178,7 @@ def build_null_llm(
         block_size=block_size,
         max_num_batched_tokens=max(2048, max_running),
         enable_prefix_caching=prefix_caching,
+        dtype=dtype,
     )
     llm.engine.runner.model = NullModel(llm.engine.runner.model, max_running)
     llm.engine.runner.graph_runner = None  # a backend's graph runner replays the real model
@@ -200,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--dtype",
-        default="float32",
-        help="dtype of the default random Llama, so of the logits the sampler reads "
-        "(bfloat16: what a bf16 model serves on this CPU)",
+        default="auto",
+        help="the engine's dtype, so the dtype of the logits the sampler reads (auto: the "
+        "backend's choice for a float32 checkpoint)",
     )
     parser.add_argument(
         "--final-outputs-only",

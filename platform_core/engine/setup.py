@@ -43,6 +43,21 @@ class EngineSetup:
     proposer: Proposer | None
 
 
+def apply_auto_dtype(config: EngineConfig, backend: Backend) -> EngineConfig:
+    """``dtype="auto"`` on a float32 checkpoint: the backend's choice, when it names one (as
+    vLLM's ``auto`` runs float32 checkpoints in 16 bits)."""
+    target = backend.capabilities.auto_float32_dtype
+    if config.model.dtype != "float32" or target is None:
+        return config
+    logger.info(
+        "dtype auto: the float32 checkpoint runs in %s on backend %s (pass dtype=float32 to "
+        "keep float32)",
+        target,
+        backend.name,
+    )
+    return config.replace(dtype=target)
+
+
 def apply_backend_adjustments(config: EngineConfig, backend: Backend) -> EngineConfig:
     """Fill in the backend's preferred block size when none was set, then apply and log the
     config changes the backend asks for."""
@@ -115,10 +130,13 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     model_dir = resolve_model_path(config.model.model)
     hf_config = load_hf_config(model_dir, config.model.trust_remote_code)
     declared = dtype_from_config(hf_config, config.model.dtype)
+    auto_dtype = config.model.dtype == "auto"
     config = config.replace(model=str(model_dir), dtype=str(declared).removeprefix("torch."))
 
     plugins = PluginManager()
     backend = plugins.create(config)
+    if auto_dtype:
+        config = apply_auto_dtype(config, backend)
     config = apply_backend_adjustments(config.replace(backend=backend.name), backend)
     head_size = head_size_of(hf_config)
     check_capabilities(config, backend, head_size)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "platform_core"
 ENTRY_POINT_GROUP = "platform_core.backends"
-PLUGIN_API_VERSION = (1, 0)
+PLUGIN_API_VERSION = (1, 1)  # 1.1: Capabilities.auto_float32_dtype
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

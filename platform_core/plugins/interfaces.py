@@ -27,6 +27,8 @@ class Capabilities:
     ``features`` names optional abilities (``"prefix_caching"``, ``"chunked_prefill"``,
     ``"cuda_graphs"``, ``"fp8_kv"``, ...). ``max_batch`` of ``None`` means unlimited.
     ``preferred_block_size`` is the KV block size used when the user sets none.
+    ``auto_float32_dtype`` is the dtype ``dtype="auto"`` runs a float32 checkpoint in (``None``:
+    float32), e.g. bf16 where the device computes in it natively (since plugin API 1.1).
     """
 
     dtypes: tuple[str, ...]
@@ -35,6 +37,7 @@ class Capabilities:
     max_batch: int | None = None
     features: tuple[str, ...] = ()
     preferred_block_size: int = 16
+    auto_float32_dtype: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

