@@ -128,7 +128,7 @@ class InputBuilder:
             starts_list.append(request.start_position)
             token_ids += tokens
             rows.append(self._table_row(request))
-            num_blocks_list.append(request.first_block + len(request.block_ids))
+            num_blocks_list.append(request.num_blocks)
             if request.sample:
                 sample_rows.append(i)
                 num_scored_list.append(request.num_draft_tokens + 1)
