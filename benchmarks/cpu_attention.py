@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from attention_batches import AttentionShape, build
 from platform_core_cpu.attention import CpuAttentionOps, key_tokens, value_tokens
+from platform_core_cpu.isa import host_isa
 from platform_core_cpu.kernels import load_kernels
 
 from platform_core.attention.reference import reference_paged_attention
@@ -74,10 +75,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    build_result = load_kernels()
+    isa = host_isa()  # PLATFORM_CORE_CPU_ISA=avx2 measures the AVX2 build
+    build_result = load_kernels(isa.level)
     if build_result.ops is None:
         raise SystemExit(f"compiled kernel unavailable: {build_result.reason}")
     print(f"kernel build/load: {build_result.seconds:.1f} s (cached after the first build)")
+    print(isa.describe())
     print(f"threads={args.threads} block_size={args.block_size} bfloat16 head={SHAPE.head_size}")
     for name, specs in WORKLOADS.items():
         compare(name, specs, args.block_size, args.repeats)

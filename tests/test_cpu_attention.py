@@ -2,18 +2,15 @@
 
 Each batch is written into the cache through the path's own ``write_kv`` (in the backend's
 tile layout) and through ``reference_write_kv`` (canonical layout), then both forwards are
-compared. The compiled kernel is built once per machine and cached (see ``kernels.py``).
+compared. The compiled kernel is checked in the build of every ISA level this CPU runs (an
+AVX-512 machine tests the AVX2 build too); each build is compiled once per machine and cached
+(see ``kernels.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import platform_core_cpu.attention as cpu_attention
 import pytest
@@ -22,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from platform_core_cpu import kernels
 from platform_core_cpu.attention import KERNEL_ENV, CpuAttentionOps, key_tokens, value_tokens
+from platform_core_cpu.isa import host_isa
 
 from platform_core.attention.metadata import AttentionMetadata
 from platform_core.attention.reference import (
@@ -31,14 +29,15 @@ from platform_core.attention.reference import (
 )
 from platform_core.errors import BackendError, ConfigError
 
-PATHS = ("compiled", "torch")
+# "compiled-<level>" for each ISA level this CPU runs, and the torch fallback.
+PATHS = (*(f"compiled-{level}" for level in host_isa().supported), "torch")
+COMPILED = f"compiled-{host_isa().level}"
 
 
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
+def make_ops(path: str) -> CpuAttentionOps:
+    """The ops of one entry of ``PATHS``."""
+    mode, _, level = path.partition("-")
+    return CpuAttentionOps(mode, level=level or None)
 
 
 KV_HEADS = 2
@@ -47,7 +46,7 @@ PAD_BLOCK = 10**6  # table padding: a kernel that reads it crashes or fails the 
 
 @pytest.fixture(scope="module")
 def ops() -> dict[str, CpuAttentionOps]:
-    return {path: CpuAttentionOps(path) for path in PATHS}
+    return {path: make_ops(path) for path in PATHS}
 
 
 def mixed_specs(block_size: int) -> list[tuple[int, int]]:
@@ -177,7 +176,7 @@ def test_unusual_shapes(ops, path, group, head_size, block_size, dtype):
 def test_random_batches_match_reference(seqs, block_size, group, seed):
     batch = build_batch(seqs, 2 * group, 2, 32, block_size, torch.float32, seed=seed)
     for path in PATHS:
-        out, expected = run_both(CpuAttentionOps(path), batch)
+        out, expected = run_both(make_ops(path), batch)
         assert_matches(out, expected, torch.float32)
 
 
@@ -233,7 +232,7 @@ def test_env_var_selects_the_path(monkeypatch):
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
     failed = kernels.KernelBuild(None, "RuntimeError: no compiler here", 0.0)
-    monkeypatch.setattr(cpu_attention, "load_kernels", lambda: failed)
+    monkeypatch.setattr(cpu_attention, "load_kernels", lambda level: failed)
     auto = CpuAttentionOps("auto")
     with caplog.at_level(logging.WARNING, logger="platform_core_cpu"):
         assert auto.kernel == "torch"
@@ -248,59 +247,28 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
 def test_real_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("PLATFORM_CORE_CACHE", str(tmp_path))
     monkeypatch.setattr(kernels, "CFLAGS", ("-fno-such-flag-for-platform-core",))
-    build = kernels.load_kernels.__wrapped__()
+    build = kernels.load_kernels.__wrapped__(
+        "avx2" if "avx2" in host_isa().supported else "generic"
+    )
     assert build.ops is None
     assert "no-such-flag-for-platform-core" in build.reason
     assert str(tmp_path) in str(kernels.cache_dir())
 
 
-def test_build_key_tracks_sources(monkeypatch, tmp_path):
-    key = kernels.build_key()
-    assert key == kernels.build_key()
+def test_build_key_tracks_sources_and_level(monkeypatch, tmp_path):
+    key = kernels.build_key("generic")
+    assert key == kernels.build_key("generic")
+    assert key != kernels.build_key("avx2")
     for name in (*kernels.SOURCES, *kernels.HEADERS):
         (tmp_path / name).write_bytes((kernels.CSRC / name).read_bytes())
     (tmp_path / "ops.cpp").write_text("// changed\n", encoding="utf-8")
     monkeypatch.setattr(kernels, "CSRC", tmp_path)
-    assert kernels.build_key() != key
+    assert kernels.build_key("generic") != key
 
 
 def test_compiled_kernel_rejects_out_of_range_blocks(ops):
     query, *_, metadata = build_batch([(20, 4)], 2, 2, 16, 8, torch.float32)
-    cache = torch.zeros(ops["compiled"].kv_cache_shape(4, 8, 2, 16))
+    cache = torch.zeros(ops[COMPILED].kv_cache_shape(4, 8, 2, 16))
     metadata.block_tables[0, 1] = 4  # one past the cache
     with pytest.raises(RuntimeError, match="out of range"):
-        ops["compiled"].forward(query, cache, metadata, 0.25)
-
-
-PORTABLE_BF16_CHECK = """
-import sys
-sys.path.insert(0, {tests!r})
-import torch
-from platform_core_cpu import kernels
-kernels.CFLAGS = (*kernels.CFLAGS, "-mno-avx512bf16")
-build = kernels.load_kernels()
-assert build.ops is not None, build.reason
-assert not build.ops.gemv_supported(), "still built with AVX512-BF16"
-from test_cpu_attention import CpuAttentionOps, assert_matches, build_batch, mixed_specs, run_both
-for head_size, block_size in ((64, 16), (40, 6)):
-    batch = build_batch(mixed_specs(block_size), 4, 2, head_size, block_size, torch.bfloat16)
-    out, expected = run_both(CpuAttentionOps("compiled"), batch)
-    assert_matches(out, expected, torch.bfloat16)
-print("portable bf16 ok")
-"""
-
-
-@pytest.mark.skipif(
-    platform.machine() not in ("x86_64", "AMD64") or "avx512_bf16" not in _cpu_flags(),
-    reason="checks the kernel built without AVX512-BF16 on a CPU that has it (x86-64 only)",
-)
-def test_bf16_kernel_built_without_avx512_bf16_matches_reference(tmp_path):
-    """The bf16 path other CPUs compile (pairs split into fp32 lanes), built here on purpose;
-    in a subprocess, since one process can load one build of the ops."""
-    script = PORTABLE_BF16_CHECK.format(tests=str(Path(__file__).parent))
-    env = {**os.environ, "PLATFORM_CORE_CACHE": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "portable bf16 ok" in done.stdout
+        ops[COMPILED].forward(query, cache, metadata, 0.25)

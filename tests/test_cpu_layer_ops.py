@@ -1,7 +1,8 @@
 """The CPU backend's fused RMS norm, SiLU-and-multiply and rotary against the core's default
 ops. They round where the unfused ops round, so bfloat16 results are equal except for rare
 last-bit differences (a float32 intermediate landing on the other side of a rounding tie);
-float32 results agree within a few float32 roundings."""
+float32 results agree within a few float32 roundings. Each check runs on the build of every ISA
+level this CPU runs."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from platform_core.layers.norm import rms_norm
 from platform_core.layers.rotary import apply_rotary
 
 kernels = pytest.importorskip("platform_core_cpu.kernels", reason="pip install -e backends/cpu")
+from platform_core_cpu.isa import host_isa  # noqa: E402
 from platform_core_cpu.layer_ops import fused_layer_ops  # noqa: E402
 from platform_core_cpu.plugin import CpuBackend  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def fused():
-    build = kernels.load_kernels()
-    assert build.ops is not None, f"the compiled kernels must build here: {build.reason}"
+@pytest.fixture(scope="module", params=host_isa().supported)
+def fused(request):
+    build = kernels.load_kernels(request.param)
+    assert build.ops is not None, f"the {request.param} kernels must build here: {build.reason}"
     return fused_layer_ops(build.ops)
 
 

@@ -105,7 +105,6 @@ def test_cpu_backend_maps_float16_to_a_fast_dtype(tiny_model_dir):
     assert llm.engine.config.model.dtype in ("bfloat16", "float32")
 
 
-
 class CountingGraphRunner:
     """A backend's graph runner stand-in: records the calls, then runs the model eagerly."""
 
@@ -154,7 +153,9 @@ def test_backend_graph_runner_wraps_every_serving_step(tiny_model_dir, monkeypat
 
 
 def test_unset_block_size_takes_the_backends_preferred_size(tiny_model_dir, caplog):
-    from platform_core_cpu.plugin import CAPABILITIES
+    from platform_core_cpu.plugin import capabilities
+
+    CAPABILITIES = capabilities()
 
     with caplog.at_level(logging.INFO, logger="platform_core.engine"):
         llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory_bytes=1 << 22)
@@ -168,9 +169,11 @@ def test_unset_block_size_takes_the_backends_preferred_size(tiny_model_dir, capl
 
 @pytest.mark.parametrize("requested", ["auto", "float32"])
 def test_auto_dtype_takes_the_backends_choice_for_float32_checkpoints(tiny_model_dir, requested):
-    from platform_core_cpu.plugin import CAPABILITIES, cpu_supports_bf16
+    from platform_core_cpu.isa import host_isa
+    from platform_core_cpu.plugin import capabilities
 
-    assert CAPABILITIES.auto_float32_dtype == ("bfloat16" if cpu_supports_bf16() else None)
+    CAPABILITIES = capabilities()
+    assert CAPABILITIES.auto_float32_dtype == ("bfloat16" if host_isa().native_bf16 else None)
     llm = LLM(str(tiny_model_dir("llama")), dtype=requested, backend="cpu")  # a float32 checkpoint
     chosen = CAPABILITIES.auto_float32_dtype if requested == "auto" else None
     expected = chosen or "float32"  # an explicit float32 is kept

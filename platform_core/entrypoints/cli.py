@@ -69,6 +69,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
                 f"{r.name}: dtypes={list(c.dtypes)} head_sizes={list(c.head_sizes)} "
                 f"block_sizes={list(c.block_sizes)} features={list(c.features)}"
             )
+        for line in r.details:
+            print(f"{r.name}: {line}")
     return 0
 
 

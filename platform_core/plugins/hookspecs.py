@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "platform_core"
 ENTRY_POINT_GROUP = "platform_core.backends"
-PLUGIN_API_VERSION = (1, 1)  # 1.1: Capabilities.auto_float32_dtype
+# 1.1: Capabilities.auto_float32_dtype; 1.2: BackendInfo.details
+PLUGIN_API_VERSION = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -42,7 +42,11 @@ class Capabilities:
 
 @dataclass(frozen=True, slots=True)
 class BackendInfo:
-    """One row of ``platform-core backends``: every backend reports one, usable or not."""
+    """One row of ``platform-core backends``: every backend reports one, usable or not.
+
+    ``details`` are lines the listing prints under the row: the paths this device runs (kernel
+    builds, instruction sets), since plugin API 1.2.
+    """
 
     name: str
     package: str
@@ -53,6 +57,7 @@ class BackendInfo:
     priority: int
     device: str
     capabilities: Capabilities | None = None
+    details: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ block_size, 2]`` and values as ``[block_size / 2, head_size, 2]`` (element pairs
 multiplies without horizontal sums; both sizes must be even). The path is chosen by
 ``PLATFORM_CORE_CPU_KERNEL``: ``compiled`` (the C++ kernel; an error if it cannot be built),
 ``torch`` (the fallback), or ``auto`` (default: compiled, else the fallback with a warning).
+The compiled kernels are the build of this CPU's ISA level (:mod:`platform_core_cpu.isa`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from platform_core.attention.metadata import AttentionMetadata
 from platform_core.errors import BackendError, ConfigError
 from platform_core.plugins.interfaces import AttentionOps
+from platform_core_cpu.isa import host_isa
 from platform_core_cpu.kernels import load_kernels
 
 logger = logging.getLogger("platform_core_cpu")
@@ -30,13 +32,16 @@ KERNEL_MODES = ("auto", "compiled", "torch")
 
 class CpuAttentionOps(AttentionOps):
     """CPU paged-attention ops; ``mode`` (default: ``$PLATFORM_CORE_CPU_KERNEL`` or ``auto``)
-    picks the compiled kernel or the torch fallback, resolved on first use."""
+    picks the compiled kernel or the torch fallback, resolved on first use; ``level`` the ISA
+    level of the kernel build (default: this CPU's, see :func:`~platform_core_cpu.isa.host_isa`).
+    """
 
-    def __init__(self, mode: str | None = None) -> None:
+    def __init__(self, mode: str | None = None, level: str | None = None) -> None:
         mode = mode or os.environ.get(KERNEL_ENV, "auto")
         if mode not in KERNEL_MODES:
             raise ConfigError(f"{KERNEL_ENV}={mode!r} is not valid; valid values: {KERNEL_MODES}")
         self.mode = mode
+        self.level = level or host_isa().level
         self._ops: Any = None
         self._resolved = False
 
@@ -46,8 +51,8 @@ class CpuAttentionOps(AttentionOps):
         return "compiled" if self.compiled_ops() is not None else "torch"
 
     def compiled_ops(self) -> Any:
-        """``torch.ops.platform_core_cpu`` (attention and the fused layer ops), or ``None`` on
-        the torch path."""
+        """The kernel build's ``torch.ops`` namespace (attention, fused layer ops, bf16
+        linear), or ``None`` on the torch path."""
         if not self._resolved:
             self._ops = self._resolve()
             self._resolved = True
@@ -57,9 +62,13 @@ class CpuAttentionOps(AttentionOps):
         if self.mode == "torch":
             logger.info("CPU attention: torch path (%s=torch)", KERNEL_ENV)
             return None
-        build = load_kernels()
+        build = load_kernels(self.level)
         if build.ops is not None:
-            logger.info("CPU attention: compiled kernel (loaded in %.1f s)", build.seconds)
+            logger.info(
+                "CPU attention: compiled kernel, %s build (loaded in %.1f s)",
+                self.level,
+                build.seconds,
+            )
             return build.ops
         if self.mode == "compiled":
             raise BackendError(f"CPU attention kernel could not be built: {build.reason}")

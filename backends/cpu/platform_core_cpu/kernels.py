@@ -1,11 +1,13 @@
 """Builds and loads the compiled CPU kernels (attention and fused layer ops) on first use.
 
-The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension`` into a build folder
-under ``$PLATFORM_CORE_CACHE/kernels`` (default ``~/.cache/platform-core/kernels``) named by a hash
-of the sources, the compiler flags, the torch version and the host CPU, so a build is reused by
-every later process and a changed source or machine gets a fresh one. The ops are registered as
-``torch.ops.platform_core_cpu.{paged_attention, write_kv, rms_norm, silu_and_mul, rotary,
-gemv_bf16, gemv_supported, argmax_rows}``.
+The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension``, once per ISA level
+(:mod:`platform_core_cpu.isa`) with that level's flags, into a build folder under
+``$PLATFORM_CORE_CACHE/kernels`` (default ``~/.cache/platform-core/kernels``) named by a hash of
+the sources, the flags, the torch version and the host CPU, so a build is reused by every later
+process and a changed source or machine gets a fresh one. Each level registers its ops in its own
+namespace, ``torch.ops.platform_core_cpu_<level>.{paged_attention, write_kv, rms_norm,
+silu_and_mul, rotary, linear_bf16, argmax_rows}``, so one process can load several levels (the
+tests check every level the CPU runs against the reference).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 
 import torch
 
+from platform_core_cpu.isa import LEVEL_CFLAGS
+
 logger = logging.getLogger("platform_core_cpu")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -30,13 +34,12 @@ SOURCES = (
     "paged_attention.cpp",
     "write_kv.cpp",
     "layer_ops.cpp",
-    "gemv.cpp",
+    "linear.cpp",
     "argmax.cpp",
     "ops.cpp",
 )
 HEADERS = ("cpu_kernels.h", "vec_math.h")
-# -march=native is safe because the build key includes the host CPU's identity.
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
 
@@ -45,7 +48,7 @@ class KernelBuild:
     """Outcome of loading the compiled kernels: ``ops`` is ``None`` when they are unavailable.
 
     Attributes:
-        ops: the ``torch.ops.platform_core_cpu`` namespace, or ``None``.
+        ops: the build's ``torch.ops`` namespace, or ``None``.
         reason: why the kernels are unavailable (empty when they loaded).
         seconds: wall time the build/load took in this process.
     """
@@ -63,7 +66,7 @@ def cache_dir() -> Path:
 
 
 def _cpu_identity() -> str:
-    """Model and feature flags of the host CPU (what ``-march=native`` compiles for)."""
+    """Model and feature flags of the host CPU (what ``-mtune=native`` tunes for)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -72,20 +75,30 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in wanted}))
 
 
-def build_key() -> str:
+def namespace(level: str) -> str:
+    """The ``torch.ops`` namespace the build of ``level`` registers its ops in."""
+    return f"platform_core_cpu_{level}"
+
+
+def _cflags(level: str) -> list[str]:
+    return [*CFLAGS, *LEVEL_CFLAGS[level], f"-DPLATFORM_CORE_CPU_NAMESPACE={namespace(level)}"]
+
+
+def build_key(level: str) -> str:
     """Hash naming one build: sources, flags, torch/python versions and the host CPU."""
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update(name.encode())
         digest.update((CSRC / name).read_bytes())
-    for part in (*CFLAGS, *LDFLAGS, torch.__version__, sys.version, _cpu_identity()):
+    for part in (*_cflags(level), *LDFLAGS, torch.__version__, sys.version, _cpu_identity()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
 
 @functools.cache
-def load_kernels() -> KernelBuild:
-    """Build (when no cached build matches) and load the kernels once per process.
+def load_kernels(level: str) -> KernelBuild:
+    """Build (when no cached build matches) and load the kernels of ISA ``level`` once per
+    process.
 
     Never raises: a failed build is reported through ``KernelBuild.reason`` so the caller can
     fall back to pure torch; the failure is remembered for the rest of the process.
@@ -94,15 +107,15 @@ def load_kernels() -> KernelBuild:
     try:
         from torch.utils import cpp_extension
 
-        name = f"platform_core_cpu_kernels_{build_key()}"
+        name = f"platform_core_cpu_{level}_{build_key(level)}"
         build_dir = cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"{name}.so").exists():
-            logger.info("compiling the CPU kernels once, into %s", build_dir)
+            logger.info("compiling the CPU kernels (%s) once, into %s", level, build_dir)
         cpp_extension.load(
             name=name,
             sources=[str(CSRC / source) for source in SOURCES],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=_cflags(level),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
             is_python_module=False,
@@ -113,4 +126,4 @@ def load_kernels() -> KernelBuild:
         detail = next((line for line in lines[1:] if "error" in line.lower()), lines[0])
         reason = f"{type(exc).__name__}: {detail.strip()[:300]}"
         return KernelBuild(None, reason, time.perf_counter() - start)
-    return KernelBuild(torch.ops.platform_core_cpu, "", time.perf_counter() - start)
+    return KernelBuild(getattr(torch.ops, namespace(level)), "", time.perf_counter() - start)

@@ -27,7 +27,7 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 def fused_layer_ops(ops: Any) -> dict[str, Callable[..., Any]]:
     """``rms_norm``, ``silu_and_mul``, ``rotary`` and ``argmax`` overrides over the compiled
-    ``ops`` namespace (``torch.ops.platform_core_cpu``)."""
+    ``ops`` namespace (a kernel build's ``torch.ops.platform_core_cpu_<level>``)."""
 
     def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if weight.dtype != x.dtype:

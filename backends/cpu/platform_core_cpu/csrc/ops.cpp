@@ -1,10 +1,19 @@
-// Registers the kernels as torch.ops.platform_core_cpu.* (no pybind11: keeps the build short).
+// Registers the kernels as torch.ops.<PLATFORM_CORE_CPU_NAMESPACE>.* (no pybind11: keeps the
+// build short). Each ISA level's build names its own namespace (kernels.py passes it), so one
+// process can load several builds side by side.
 
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
 
-TORCH_LIBRARY(platform_core_cpu, m) {
+#ifndef PLATFORM_CORE_CPU_NAMESPACE
+#error "build with -DPLATFORM_CORE_CPU_NAMESPACE=<namespace> (kernels.py does)"
+#endif
+
+// One more macro level, so that the namespace macro expands before TORCH_LIBRARY pastes it.
+#define PLATFORM_CORE_CPU_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+
+PLATFORM_CORE_CPU_LIBRARY(PLATFORM_CORE_CPU_NAMESPACE, m) {
   m.def(
       "paged_attention(Tensor query, Tensor kv_cache, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor block_tables, float scale, Tensor(a!) out) -> ()",
@@ -13,9 +22,9 @@ TORCH_LIBRARY(platform_core_cpu, m) {
         &platform_core_cpu::write_kv);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &platform_core_cpu::rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &platform_core_cpu::silu_and_mul);
-  m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
-        &platform_core_cpu::gemv_bf16);
-  m.def("gemv_supported() -> bool", &platform_core_cpu::gemv_supported);
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+        &platform_core_cpu::linear_bf16);
+  m.def("bf16_dot_products() -> bool", &platform_core_cpu::bf16_dot_products);
   m.def("argmax_rows(Tensor x) -> Tensor", &platform_core_cpu::argmax_rows);
   m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
         &platform_core_cpu::rotary);
