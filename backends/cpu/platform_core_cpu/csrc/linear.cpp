@@ -78,6 +78,20 @@ inline void dot_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k,
   }
 }
 
+// x (fp32) . one W row, for one-row linears: one front-to-back stream of the row (see
+// dot_row_bf16) and four accumulators, so that four FMA chains are in flight.
+float dot_row_widened(const float* x, const uint16_t* w, int64_t k) {
+  vecw acc[4] = {};
+  int64_t c = 0;
+  for (; c + 4 * kWidth <= k; c += 4 * kWidth) {
+    for (int u = 0; u < 4; ++u) acc[u] += loadw(x + c + u * kWidth) * widen(w + c + u * kWidth);
+  }
+  for (; c + kWidth <= k; c += kWidth) acc[0] += loadw(x + c) * widen(w + c);
+  float sum = hsumw((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  for (; c < k; ++c) sum += x[c] * bf16_bits_to_float(w[c]);
+  return sum;
+}
+
 template <int MR>
 inline void dot_rows(const float* x, int64_t ldx, const uint16_t* w, int64_t k, int nr,
                      float (&sums)[4][2]) {
@@ -198,6 +212,15 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   const int64_t ldx = x.stride(0);
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < k; ++c) xf[r * k + c] = bf16_bits_to_float(xp[r * ldx + c]);
+  }
+  if (m == 1) {
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const float sum = dot_row_widened(xf.data(), wp + row * k, k);
+        op[row] = from_float<c10::BFloat16>(sum + (b ? b[row] : 0.0f));
+      }
+    });
+    return out;
   }
   // Bands start at even rows so that every thread's weight-row pairs are whole.
   at::parallel_for(0, (n + 1) / 2, std::max<int64_t>(1, grain / 2), [&](int64_t begin, int64_t end) {
