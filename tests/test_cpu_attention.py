@@ -181,6 +181,19 @@ def test_random_batches_match_reference(seqs, block_size, group, seed):
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_long_prompt_chunks_match_reference(ops, path, dtype):
+    """The three 1,536-token chunks of a 4,608-token prompt (the last behind 3,072 cached
+    tokens) at the default model's shape: 9 query / 3 KV heads of 64, blocks of 128. Scores
+    spread as a trained model's do (most probabilities underflow, running maxima move)."""
+    chunk = 1536
+    specs = [(end, chunk) for end in (chunk, 2 * chunk, 3 * chunk)]
+    query, *rest = build_batch(specs, 9, 3, 64, 128, dtype, seed=5)
+    out, expected = run_both(ops[path], (query * 4, *rest))
+    assert_matches(out, expected, dtype)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_strided_query_view(ops, path):
     """A query sliced out of a fused QKV projection (non-contiguous rows) is read correctly."""
     query, key, value, slots, metadata = build_batch(mixed_specs(16), 4, 2, 64, 16, torch.float32)

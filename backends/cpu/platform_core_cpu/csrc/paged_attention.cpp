@@ -7,7 +7,8 @@
 //   keys   [head_size / 2][block_size][2]: a vector of 16 pairs is one dimension pair of 16 keys,
 //   values [block_size / 2][head_size][2]: a vector of 16 pairs is 16 dimensions of a key pair.
 // On CPUs with AVX512-BF16 a bf16 cache multiplies those pairs directly (vdpbf16ps); the other
-// paths split them into even and odd fp32 lanes.
+// paths split key pairs into even and odd fp32 lanes. An fp32 cache keeps value pairs as stored:
+// each row accumulates even and odd keys side by side and adds the two at the end.
 
 #include "cpu_kernels.h"
 #include "vec_math.h"
@@ -15,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -60,22 +62,33 @@ constexpr bool kBf16Dots = kHasBf16Dot && std::is_same_v<T, c10::BFloat16>;
 inline const float* raw(const float* p) { return p; }
 inline const uint16_t* raw(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
 
+// fp32 values accumulate as stored pairs: 2 * head_size sums per row (even, odd key).
+template <typename T>
+constexpr bool kPairSums = std::is_same_v<T, float>;
+
+// Accumulator floats per query row.
+template <typename T>
+int64_t acc_stride(const Geometry& g) {
+  return round_up(kPairSums<T> ? 2 * g.head_size : g.head_size, kLanes);
+}
+
 // Per-thread buffers: query rows (fp32, or raw bf16 for the bf16 dots), their accumulators,
 // scores of one row chunk against a block, and one row's probabilities as bf16 pairs.
 struct Scratch {
   std::vector<float> q, acc, scores, row_max, row_sum;
   std::vector<uint16_t> q16;
   std::vector<uint32_t> prob_pairs;
-  int64_t score_stride;
-  Scratch(const Geometry& g, int64_t max_rows)
+  int64_t score_stride, acc_stride;
+  Scratch(const Geometry& g, int64_t max_rows, int64_t acc_floats)
       : q(max_rows * g.head_size),
-        acc(max_rows * round_up(g.head_size, kLanes)),
+        acc(max_rows * acc_floats),
         scores(kChunkRows * round_up(g.block_size, 2 * kLanes), 0.0f),
         row_max(max_rows),
         row_sum(max_rows),
         q16(max_rows * g.head_size),
         prob_pairs(round_up(g.block_size, 2 * kLanes) / 2),
-        score_stride(round_up(g.block_size, 2 * kLanes)) {}
+        score_stride(round_up(g.block_size, 2 * kLanes)),
+        acc_stride(acc_floats) {}
 };
 
 // Scaled scores of R query rows (from `first`) against keys [0, count) of a key tile, into
@@ -107,8 +120,10 @@ void score_chunk(int64_t first, const T* keys, int64_t count, const Geometry& g,
       for (int64_t p = 0; p < pairs; ++p) {
         vec16 even, odd;
         load_pairs(raw(keys) + 2 * (p * g.block_size + j), lanes, even, odd);
+        // Two accumulations, not one of a sum: two FMAs instead of a multiply, FMA and add.
         for (int r = 0; r < R; ++r) {
-          dots[r] += q[r * g.head_size + 2 * p] * even + q[r * g.head_size + 2 * p + 1] * odd;
+          dots[r] += q[r * g.head_size + 2 * p] * even;
+          dots[r] += q[r * g.head_size + 2 * p + 1] * odd;
         }
       }
     }
@@ -131,8 +146,8 @@ void score_rows(int64_t first, int64_t rows, const T* keys, int64_t count, const
   }
 }
 
-// acc = acc * decay + sum_j p[j] * values[j] over key pairs [0, pairs) of a value tile; p is
-// fp32 (p[2 * pairs - 1] must exist, zero past the row's keys).
+// acc = acc * decay + sum_j p[j] * values[j] over key pairs [0, pairs) of a bf16 value tile,
+// split into fp32 lanes; p is fp32 (p[2 * pairs - 1] must exist, zero past the row's keys).
 template <typename T>
 void accumulate_values(float* acc, float decay, const float* p, int64_t pairs, const T* values,
                        const Geometry& g) {
@@ -142,7 +157,51 @@ void accumulate_values(float* acc, float decay, const float* p, int64_t pairs, c
     for (int64_t i = 0; i < pairs; ++i) {
       vec16 even, odd;
       load_pairs(raw(values) + 2 * (i * g.head_size + c), lanes, even, odd);
-      a += p[2 * i] * even + p[2 * i + 1] * odd;
+      a += p[2 * i] * even;  // two FMAs (see score_chunk)
+      a += p[2 * i + 1] * odd;
+    }
+    store16(acc + c, a);
+  }
+}
+
+// The (p[2i], p[2i + 1]) pair in every 64-bit lane.
+inline vec16 splat_pair(const float* p) {
+  typedef int64_t i64vec8 __attribute__((vector_size(64)));
+  int64_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return std::bit_cast<vec16>(i64vec8{} + bits);
+}
+
+// The first `lanes` floats at `src`, zeros after.
+inline vec16 load_first(const float* src, int64_t lanes) {
+  if (lanes >= kLanes) return load16(src);
+  float padded[kLanes] = {};
+  std::memcpy(padded, src, lanes * sizeof(float));
+  return load16(padded);
+}
+
+// The same for an fp32 value tile without splitting pairs: acc holds 2 * head_size pair sums
+// (dimension d of even keys at 2d, of odd keys at 2d + 1), each a stored pair times the pair of
+// probabilities; four vectors of sums at a time share a probability broadcast.
+void accumulate_value_pairs(float* acc, float decay, const float* p, int64_t pairs,
+                            const float* values, const Geometry& g) {
+  const int64_t width = 2 * g.head_size;
+  int64_t c = 0;
+  for (; c + 4 * kLanes <= width; c += 4 * kLanes) {
+    vec16 a[4];
+    for (int k = 0; k < 4; ++k) a[k] = load16(acc + c + k * kLanes) * decay;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const vec16 w = splat_pair(p + 2 * i);
+      const float* v = values + i * width + c;
+      for (int k = 0; k < 4; ++k) a[k] += w * load16(v + k * kLanes);
+    }
+    for (int k = 0; k < 4; ++k) store16(acc + c + k * kLanes, a[k]);
+  }
+  for (; c < width; c += kLanes) {
+    const int64_t lanes = std::min(kLanes, width - c);
+    vec16 a = load16(acc + c) * decay;
+    for (int64_t i = 0; i < pairs; ++i) {
+      a += splat_pair(p + 2 * i) * load_first(values + i * width + c, lanes);
     }
     store16(acc + c, a);
   }
@@ -202,7 +261,7 @@ void attend_block(int64_t r, int64_t count, float* scores, const T* values, cons
   }
   s.row_sum[r] = s.row_sum[r] * decay + hsum(block_sum);
   s.row_max[r] = new_max;
-  float* acc = s.acc.data() + r * round_up(g.head_size, kLanes);
+  float* acc = s.acc.data() + r * s.acc_stride;
   const int64_t pairs = (count + 1) / 2;
   if constexpr (kBf16Dots<T>) {
 #if defined(__AVX512BF16__)
@@ -213,6 +272,8 @@ void attend_block(int64_t r, int64_t count, float* scores, const T* values, cons
     }
     accumulate_values_bf16(acc, decay, s.prob_pairs.data(), pairs, raw(values), g);
 #endif
+  } else if constexpr (kPairSums<T>) {
+    accumulate_value_pairs(acc, decay, scores, pairs, values, g);
   } else {
     accumulate_values(acc, decay, scores, pairs, values, g);
   }
@@ -266,8 +327,7 @@ void run_item(const WorkItem& item, const Geometry& g, const Batch<T>& b, Scratc
       float* q = s.q.data() + r * g.head_size;
       for (int64_t d = 0; d < g.head_size; ++d) q[d] = to_float(src[d]);
     }
-    std::fill_n(s.acc.data() + r * round_up(g.head_size, kLanes), round_up(g.head_size, kLanes),
-                0.0f);
+    std::fill_n(s.acc.data() + r * s.acc_stride, s.acc_stride, 0.0f);
     s.row_max[r] = -std::numeric_limits<float>::infinity();
     s.row_sum[r] = 0.0f;
   }
@@ -305,9 +365,12 @@ void run_item(const WorkItem& item, const Geometry& g, const Batch<T>& b, Scratc
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = b.out + map.token(r) * g.o_token_stride + map.head(r) * g.o_head_stride;
-    const float* acc = s.acc.data() + r * round_up(g.head_size, kLanes);
+    const float* acc = s.acc.data() + r * s.acc_stride;
     const float inv = 1.0f / s.row_sum[r];
-    for (int64_t d = 0; d < g.head_size; ++d) dst[d] = from_float<T>(acc[d] * inv);
+    for (int64_t d = 0; d < g.head_size; ++d) {
+      const float sum = kPairSums<T> ? acc[2 * d] + acc[2 * d + 1] : acc[d];
+      dst[d] = from_float<T>(sum * inv);
+    }
   }
 }
 
@@ -374,7 +437,7 @@ void run(const Geometry& g, const Batch<T>& batch, const Plan& p, int64_t max_ro
       std::min<int64_t>(at::get_num_threads(), p.items.size()));
 #pragma omp parallel num_threads(threads)
   {
-    Scratch scratch(g, max_rows);
+    Scratch scratch(g, max_rows, acc_stride<T>(g));
 #pragma omp for schedule(dynamic, 1)
     for (size_t i = 0; i < p.items.size(); ++i) run_item(p.items[i], g, batch, scratch);
   }
