@@ -30,11 +30,11 @@ class Tolerance:
 
 # Output rounding alone costs up to half an ulp: 2^-9 relative for bfloat16, 2^-12 for float16;
 # the elementwise bounds also allow low-precision intermediates (e.g. probabilities stored in
-# the dtype). The RMS bounds sit about 2x above what the CPU backend's bf16 kernels measure
-# (~2e-3) and 2x below what a softmax scale 2% off costs in every dtype (>= 8e-3).
+# the dtype). The bf16 RMS bound sits above what the kernels measure (CPU backend ~2e-3, Triton
+# ~3e-3 with probabilities in bf16) and below what a softmax scale 2% off costs (>= 8e-3).
 TOLERANCES: dict[str, Tolerance] = {
     "float32": Tolerance(atol=1e-4, rtol=1e-4, rms=2e-5),
-    "bfloat16": Tolerance(atol=2e-2, rtol=2e-2, rms=4e-3),
+    "bfloat16": Tolerance(atol=2e-2, rtol=2e-2, rms=5e-3),
     "float16": Tolerance(atol=4e-3, rtol=4e-3, rms=1e-3),
 }
 # Generated-token logprobs of the end-to-end checks vs. HF transformers (float32 arithmetic on
