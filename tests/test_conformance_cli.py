@@ -1,5 +1,6 @@
-"""``platform-core conformance``: the CLI runs the installed suite and writes both reports, and
-the suite fails a backend whose attention is wrong (it is not a rubber stamp)."""
+"""``platform-core conformance``: the CLI runs the installed suite and writes both reports, also
+when the backend cannot run (exit 4, with the reason and the fix); a plugin built for an older
+minor API runs. ``test_conformance_broken`` checks that the suite fails broken backends."""
 
 from __future__ import annotations
 
@@ -8,19 +9,15 @@ import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
+from conformance_backends import FixturePlugin
 from platform_core_conformance import run_conformance
 from platform_core_conformance.collectives import devices_short_of_world
 
-from platform_core.attention.reference import ReferenceAttentionOps
-from platform_core.config import EngineConfig
-from platform_core.distributed.communicator import TorchDistributedCommunicator
 from platform_core.entrypoints.conformance_cli import add_conformance_parser
-from platform_core.plugins.hookspecs import hookimpl
-from platform_core.plugins.interfaces import Backend, BackendInfo, Capabilities
+from platform_core.plugins.hookspecs import PLUGIN_API_VERSION
 
 USAGE_ERROR = 4
 
@@ -47,74 +44,79 @@ def test_cli_runs_a_subset_and_writes_json_and_junit_reports(tmp_path: Path) -> 
     assert doc["platform_core_version"] == "0.1.0" and doc["exit_status"] == 0
     assert doc["device"].startswith("cpu") and doc["tolerances"]["float32"]["atol"] > 0
     checks = {c["id"].split("::")[-1]: c for c in doc["checks"]}
-    assert doc["summary"]["passed"] == doc["summary"]["total"] == len(checks) == 10
+    assert doc["summary"]["passed"] == doc["summary"]["total"] == len(checks) == 11
     kernel = checks["test_paged_attention[float32-mixed]"]
     assert kernel["outcome"] == "passed"
     assert 0 <= kernel["properties"]["max_abs_error"] <= kernel["properties"]["atol"]
     assert not any("bfloat16" in name or "collective" in name for name in checks)
 
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("10", "0", "0")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("11", "0", "0")
     assert _junit_properties(suite)["backend"] == "cpu"
     [case] = [c for c in suite.iter("testcase") if c.get("name") == kernel["id"].split("::")[-1]]
     assert float(_junit_properties(case)["max_abs_error"]) == kernel["properties"]["max_abs_error"]
 
 
-class OffScaleAttention(ReferenceAttentionOps):
-    """Softmax at a slightly wrong temperature: a subtle kernel bug."""
-
-    def forward(self, query, kv_cache, metadata, scale):
-        return super().forward(query, kv_cache, metadata, scale * 1.05)
-
-
-class BrokenBackend(Backend):
-    """The reference backend but for its attention."""
-
-    def __init__(self) -> None:
-        self.name = "broken-attention"
-        self.device = torch.device("cpu")
-        self.capabilities = BrokenPlugin.capabilities
-        self.attention = OffScaleAttention()
-        self.memory = None  # the kernel checks never profile
-
-    def communicator(self, group: Any = None) -> TorchDistributedCommunicator:
-        return TorchDistributedCommunicator(group=group)
-
-
-class BrokenPlugin:
-    """A backend plugin registered as an object (not an installed entry point)."""
-
-    capabilities = Capabilities(dtypes=("float32",), head_sizes=(32,), block_sizes=(16,))
-
-    @hookimpl
-    def platform_core_backend_info(self) -> BackendInfo:
-        return BackendInfo(
-            "broken-attention", "tests", "0", (1, 0), True, "test", -99, "cpu", self.capabilities
-        )
-
-    @hookimpl
-    def platform_core_create_backend(self, name: str, config: EngineConfig) -> Backend | None:
-        return BrokenBackend() if name == "broken-attention" else None
-
-
-def test_wrong_attention_fails_the_kernel_checks(tmp_path: Path) -> None:
-    report = tmp_path / "broken.json"
-    code = run_conformance(
-        "broken-attention", report=report, keyword="test_kernels", backend_plugins=[BrokenPlugin()]
-    )
-    assert code == pytest.ExitCode.TESTS_FAILED
-    checks = {c["id"].split("::")[-1]: c for c in json.loads(report.read_text())["checks"]}
-    decode = checks["test_paged_attention[float32-decode]"]
-    assert decode["outcome"] == "failed" and "exceeds the tolerance" in decode["message"]
-    assert decode["properties"]["max_abs_error"] > decode["properties"]["atol"]
-    # What the bug cannot change still passes: the write path, and softmax over a single key.
-    assert checks["test_padding_slots_write_nothing[float32]"]["outcome"] == "passed"
-    assert checks["test_paged_attention[float32-one_token]"]["outcome"] == "passed"
-
-
-def test_unknown_backend_is_a_usage_error_that_names_it(capsys: pytest.CaptureFixture) -> None:
-    assert _run_cli(["conformance", "--backend", "no-such-backend", "-k", "nothing"]) == USAGE_ERROR
+def test_unknown_backend_is_a_usage_error_that_names_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    report, junit = tmp_path / "r.json", tmp_path / "r.xml"
+    argv = ["conformance", "--backend", "no-such-backend", "--report", str(report)]
+    assert _run_cli([*argv, "--junit", str(junit), "-k", "nothing"]) == USAGE_ERROR
     assert "no-such-backend" in capsys.readouterr().err
+    doc = json.loads(report.read_text())
+    assert (doc["backend"], doc["exit_status"], doc["probe"]) == ("no-such-backend", 4, None)
+    assert "unknown backend 'no-such-backend'" in doc["reason"]
+    assert doc["summary"]["total"] == 0 and doc["plugin_api_version"]
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("errors")) == ("1", "1")
+    [error] = suite.iter("error")
+    assert "unknown backend 'no-such-backend'" in error.get("message")
+
+
+@pytest.mark.parametrize(
+    ("api", "advice"),
+    [
+        ((PLUGIN_API_VERSION[0], PLUGIN_API_VERSION[1] + 1), "upgrade platform-core"),
+        ((PLUGIN_API_VERSION[0] + 1, 0), "rebuild the plugin for plugin API"),
+    ],
+    ids=["newer-minor", "newer-major"],
+)
+def test_an_incompatible_plugin_api_is_reported_with_the_fix(
+    tmp_path: Path, api: tuple[int, int], advice: str
+) -> None:
+    report, junit = tmp_path / "r.json", tmp_path / "r.xml"
+    plugin = FixturePlugin("future", api_version=api)
+    code = run_conformance("future", report=report, junit=junit, backend_plugins=[plugin])
+    assert code == USAGE_ERROR
+    doc = json.loads(report.read_text())
+    assert advice in doc["reason"] and doc["probe"]["api_version"] == list(api)
+    assert doc["probe"]["available"] is False
+    [error] = ET.parse(junit).getroot().iter("error")
+    assert advice in error.get("message")
+
+
+def test_a_plugin_pinned_to_api_1_0_runs_on_this_core_with_a_note(tmp_path: Path) -> None:
+    report = tmp_path / "old.json"
+    plugin = FixturePlugin("api-1-0", api_version=(1, 0))
+    code = run_conformance(
+        "api-1-0", report=report, keyword="test_registration", backend_plugins=[plugin]
+    )
+    assert code == 0
+    doc = json.loads(report.read_text())
+    assert doc["backend_api_version"] == "1.0" and doc["summary"]["passed"] >= 4
+    if PLUGIN_API_VERSION > (1, 0):
+        assert "older than this platform-core's" in doc["api_note"]
+
+
+def test_a_backend_whose_constructor_raises_still_gets_its_reports(tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    plugin = FixturePlugin("raises", attention=lambda: 1 / 0)
+    code = run_conformance("raises", report=report, backend_plugins=[plugin])
+    assert code == USAGE_ERROR
+    assert (
+        "creating the backend raised ZeroDivisionError" in json.loads(report.read_text())["reason"]
+    )
 
 
 def test_collectives_need_one_device_per_rank(monkeypatch):

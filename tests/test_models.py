@@ -7,7 +7,6 @@ are shuffled (non-contiguous), so slot mapping and block-table handling are exer
 from __future__ import annotations
 
 import json
-import logging
 import re
 import shutil
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from platform_core.attention.metadata import AttentionMetadata
-from platform_core.errors import ModelLoadError
+from platform_core.errors import BackendError, ModelLoadError
 from platform_core.layers.ops import LayerOps
 from platform_core.layers.rotary import RopeScaling
 from platform_core.models.llama import DecoderSpec
@@ -287,15 +286,12 @@ def _counting(counts: dict[str, int], name: str, fn: Callable[..., Any]) -> Call
     return wrapper
 
 
-def test_op_overrides_replace_the_defaults(tiny_model_dir, reference_attention_ops, caplog):
+def test_op_overrides_replace_the_defaults(tiny_model_dir, reference_attention_ops):
     defaults = LayerOps()
     counts = dict.fromkeys(("rms_norm", "rotary", "silu_and_mul"), 0)
     overrides = {n: _counting(counts, n, getattr(defaults, n)) for n in counts}
-    overrides["fused_unknown"] = lambda x: x
     model_dir = tiny_model_dir("qwen3")
-    with caplog.at_level(logging.WARNING):
-        patched = _load(model_dir, reference_attention_ops, op_overrides=overrides)
-    assert "fused_unknown" in caplog.text
+    patched = _load(model_dir, reference_attention_ops, op_overrides=overrides)
     plain = _load(model_dir, reference_attention_ops)
     tokens = _prompt(9, 256, seed=9)
     ours = PagedRunner(patched, reference_attention_ops).step({"a": tokens})["a"]
@@ -303,6 +299,11 @@ def test_op_overrides_replace_the_defaults(tiny_model_dir, reference_attention_o
     # per layer: 2 residual norms + q_norm + k_norm; plus the final norm
     assert counts == {"rms_norm": 4 * layers + 1, "rotary": layers, "silu_and_mul": layers}
     _close(ours, PagedRunner(plain, reference_attention_ops).step({"a": tokens})["a"], atol=0)
+
+
+def test_a_misspelt_op_override_is_an_error_naming_it(tiny_model_dir, reference_attention_ops):
+    with pytest.raises(BackendError, match=r"'rmsnorm' \(did you mean 'rms_norm'\?\)"):
+        _load(tiny_model_dir("llama"), reference_attention_ops, op_overrides={"rmsnorm": abs})
 
 
 def test_bfloat16_model_runs_close_to_float32(tiny_model_dir, reference_attention_ops):

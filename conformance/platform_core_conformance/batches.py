@@ -75,15 +75,36 @@ class AttentionCase:
         """Cache slots of tokens ``start:end`` of sequence ``i``."""
         return _slots(self.tables[i], self.shape.block_size, start, end)
 
+    def locate(self, index: tuple[int, ...]) -> str:
+        """Where element ``(query token, head, dim)`` of an output is: sequence, position, head."""
+        token, head, dim = index
+        for i, seq in enumerate(self.seqs):
+            if token < seq.new:
+                ratio = self.shape.num_heads // self.shape.num_kv_heads
+                return (
+                    f"sequence {i} (cached {seq.cached}, new {seq.new}) token position "
+                    f"{seq.cached + token}, head {head} (kv head {head // ratio}), dim {dim}"
+                )
+            token -= seq.new
+        raise IndexError(f"token {index[0]} is past the case's {len(self.query)} query tokens")
+
 
 def _slots(table: list[int], block_size: int, start: int, end: int) -> list[int]:
     return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
 def make_case(
-    shape: AttentionShape, seqs: list[Seq], seed: int, spare_blocks: int = 2
+    shape: AttentionShape,
+    seqs: list[Seq],
+    seed: int,
+    spare_blocks: int = 2,
+    magnitude: float = 1.0,
 ) -> AttentionCase:
-    """Random inputs for ``seqs``; the block pool has ``spare_blocks`` unused blocks or more."""
+    """Random inputs for ``seqs``; the block pool has ``spare_blocks`` unused blocks or more.
+
+    ``magnitude`` scales queries and keys by its square root (scores by ``magnitude``: a peaked
+    softmax) and values by ``magnitude``.
+    """
     gen = torch.Generator().manual_seed(seed)
     dtype, size = shape.torch_dtype, shape.block_size
     needed = [-(-s.total // size) for s in seqs]
@@ -97,16 +118,17 @@ def make_case(
         tables.append(pool[used : used + count])
         used += count
 
-    def rand(*dims: int) -> torch.Tensor:
-        return torch.randn(dims, generator=gen).to(dtype)
+    def rand(*dims: int, scale: float = 1.0) -> torch.Tensor:
+        return (scale * torch.randn(dims, generator=gen)).to(dtype)
 
     kv_dims = (shape.num_kv_heads, shape.head_size)
+    qk = math.sqrt(magnitude)
     return AttentionCase(
         shape=shape,
         seqs=seqs,
-        query=rand(sum(s.new for s in seqs), shape.num_heads, shape.head_size),
-        keys=[rand(s.total, *kv_dims) for s in seqs],
-        values=[rand(s.total, *kv_dims) for s in seqs],
+        query=rand(sum(s.new for s in seqs), shape.num_heads, shape.head_size, scale=qk),
+        keys=[rand(s.total, *kv_dims, scale=qk) for s in seqs],
+        values=[rand(s.total, *kv_dims, scale=magnitude) for s in seqs],
         tables=tables,
         num_blocks=num_blocks,
         metadata=build_metadata(seqs, tables, size),

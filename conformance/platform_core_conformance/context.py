@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -40,6 +41,32 @@ def distribution_version(name: str) -> str:
         return "not installed"
 
 
+def environment() -> dict[str, str]:
+    """The versions every report names, whether or not the backend could be built."""
+    return {
+        "platform_core_version": distribution_version("platform-core"),
+        "plugin_api_version": _api_text(PLUGIN_API_VERSION),
+        "conformance_version": distribution_version("platform-core-conformance"),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+    }
+
+
+def _api_text(api: tuple[int, int]) -> str:
+    return ".".join(map(str, api))
+
+
+def api_note(declared: tuple[int, int]) -> str | None:
+    """A note for a plugin built for an older minor API than the core's (it runs as is)."""
+    if declared[0] == PLUGIN_API_VERSION[0] and declared[1] < PLUGIN_API_VERSION[1]:
+        return (
+            f"the plugin implements plugin API {_api_text(declared)}, older than this "
+            f"platform-core's {_api_text(PLUGIN_API_VERSION)}: it runs unchanged; what later "
+            "minor versions added (see platform_core/plugins/hookspecs.py) takes its defaults"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class ConformanceContext:
     """One conformance run: the backend's probe row and the backend object the checks use.
@@ -65,6 +92,11 @@ class ConformanceContext:
     def capabilities(self) -> Capabilities:
         return self.backend.capabilities
 
+    @cached_property
+    def op_overrides(self) -> dict[str, Callable[..., Any]]:
+        """The backend's op overrides (asked once per run)."""
+        return dict(self.backend.op_overrides())
+
     def header(self) -> dict[str, Any]:
         """What every report starts with: who was tested, on what, against which versions."""
         caps = self.capabilities
@@ -72,14 +104,11 @@ class ConformanceContext:
             "backend": self.name,
             "backend_package": self.info.package,
             "backend_version": self.info.version,
-            "backend_api_version": ".".join(map(str, self.info.api_version)),
+            "backend_api_version": _api_text(self.info.api_version),
+            "api_note": api_note(self.info.api_version),
             "device": self.info.device,
             "torch_device": str(self.backend.device),
-            "platform_core_version": distribution_version("platform-core"),
-            "plugin_api_version": ".".join(map(str, PLUGIN_API_VERSION)),
-            "conformance_version": distribution_version("platform-core-conformance"),
-            "torch_version": torch.__version__,
-            "python_version": platform.python_version(),
+            **environment(),
             "capabilities": {
                 "dtypes": list(caps.dtypes),
                 "head_sizes": list(caps.head_sizes),

@@ -10,6 +10,7 @@ import torch
 
 from platform_core import LLM, SamplingParams
 from platform_core_conformance.context import ConformanceContext
+from platform_core_conformance.generation import Generation
 
 E2E_MAX_TOKENS = 8
 MAX_NUM_SEQS = 8
@@ -34,24 +35,24 @@ def make_llm(context: ConformanceContext, model_dir: Path, **overrides: Any) -> 
     return LLM(str(model_dir), backend=context.name, **kwargs)
 
 
-def greedy(
-    llm: LLM, prompts: list[list[int]], max_tokens: int
-) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy tokens of every prompt and the logprob of each; EOS is blocked (as in the HF
-    reference), so every request runs to ``max_tokens``."""
+def generate_greedy(
+    llm: LLM, prompts: list[list[int]], max_tokens: int, n: int = 1
+) -> list[Generation]:
+    """``n`` greedy completions of every prompt (in prompt order) with each token's logprob; EOS
+    is blocked (``min_tokens``), so every request runs to ``max_tokens``."""
     params = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=0
+        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=0, n=n
     )
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tokens, logprobs = [], []
-    for output in outputs:
-        completion = output.outputs[0]
-        assert completion.finish_reason == "length", completion.finish_reason
-        tokens.append(list(completion.token_ids))
-        logprobs.append(
-            [at[token].logprob for at, token in zip(completion.logprobs, completion.token_ids)]
-        )
-    return tokens, logprobs
+    generations = []
+    for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+        assert len(output.outputs) == n, f"prompt {index}: {len(output.outputs)} completions"
+        for completion in output.outputs:
+            assert completion.finish_reason == "length", completion.finish_reason
+            tokens = list(completion.token_ids)
+            logprobs = [at[token].logprob for at, token in zip(completion.logprobs, tokens)]
+            generations.append(Generation(index, prompt, tokens, logprobs))
+    return generations
 
 
 def assert_all_freed(llm: LLM) -> None:

@@ -8,7 +8,7 @@ and no test paths on the command line, the run collects the installed suite.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 
@@ -41,7 +41,6 @@ def pytest_configure(config: pytest.Config) -> None:
     name = config.getoption("backend")
     if name is None:
         return
-    from platform_core.errors import BackendError
     from platform_core_conformance.context import ConformanceContext
     from platform_core_conformance.report import JsonReport
 
@@ -53,12 +52,12 @@ def pytest_configure(config: pytest.Config) -> None:
         if isinstance(holder, ExtraBackendPlugins)
         for plugin in holder.plugins
     ]
+    report_path = config.getoption("conformance_report")
     try:
         context = ConformanceContext.create(name, extra)
-    except BackendError as exc:
-        raise pytest.UsageError(f"conformance: {exc}") from exc
+    except Exception as exc:  # unknown, unavailable, incompatible, or its constructor raised
+        _refuse(config, name, extra, exc)
     config.stash[CONTEXT_KEY] = context
-    report_path = config.getoption("conformance_report")
     if report_path is not None:
         config.pluginmanager.register(JsonReport(context, Path(report_path)), "conformance-json")
 
@@ -75,3 +74,18 @@ def conformance_context(config: pytest.Config) -> ConformanceContext:
     if CONTEXT_KEY not in config.stash:
         raise pytest.UsageError("the platform-core conformance suite needs --backend NAME")
     return config.stash[CONTEXT_KEY]
+
+
+def _refuse(config: pytest.Config, name: str, extra: list[object], exc: Exception) -> NoReturn:
+    """Write both reports of a run that cannot start, then end it (exit status 4)."""
+    from platform_core.errors import BackendError
+    from platform_core_conformance.context import backend_manager
+    from platform_core_conformance.unusable import write_unusable_reports
+
+    reason = str(exc) if isinstance(exc, BackendError) else f"creating the backend raised {exc!r}"
+    rows = [row for row in backend_manager(extra).probe() if row.name == name]
+    junit = getattr(config.option, "xmlpath", None)
+    write_unusable_reports(
+        name, reason, rows[0] if rows else None, config.getoption("conformance_report"), junit
+    )
+    raise pytest.UsageError(f"conformance: {reason}") from exc

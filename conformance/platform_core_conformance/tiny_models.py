@@ -2,13 +2,16 @@
 
 Each model is built from a config (never downloaded), given deterministic weights of a useful
 scale, and saved with ``save_pretrained`` so the engine's real loading code runs. The head size
-is a parameter: the suite picks one the backend declares.
+is a parameter (the suite covers the declared ones), and so is the embeddings' magnitude: large
+activations overflow a float16 norm that squares in float16, tiny ones make a norm's epsilon
+matter.
 """
 
 from __future__ import annotations
 
+import copy
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +50,9 @@ def tiny_config(arch: str, head_size: int) -> Any:
     )
 
 
-def build_tiny_model(arch: str, head_size: int, seed: int = 0) -> Any:
-    """A float32 HF model (eager attention, eval mode) with seeded weights."""
+def build_tiny_model(arch: str, head_size: int, seed: int = 0, magnitude: float = 1.0) -> Any:
+    """A float32 HF model (eager attention, eval mode) with seeded weights; the embeddings (the
+    first norm's input) are ``magnitude`` times larger than the other weights' scale."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -59,8 +63,16 @@ def build_tiny_model(arch: str, head_size: int, seed: int = 0) -> Any:
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen)
-            # Norm weights near 1, everything else small: activations neither vanish nor explode.
-            param.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.1 * noise)
+            # Norm weights near 1; matrices scaled by fan-in (0.1 at 64 inputs), so activations
+            # neither vanish nor explode at any head size; embeddings and biases 0.1.
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif param.dim() == 2 and not name.endswith("embed_tokens.weight"):
+                param.copy_(0.8 * param.shape[1] ** -0.5 * noise)
+            else:
+                param.copy_(0.1 * noise)
+            if name.endswith("embed_tokens.weight"):
+                param.mul_(magnitude)
     return model.eval()
 
 
@@ -72,13 +84,36 @@ class TinyModel:
     head_size: int
     path: Path
     hf_model: Any
+    magnitude: float = 1.0
+    _rounded: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def reference(self, dtype: torch.dtype) -> Any:
+        """The HF model computing in float32 from weights rounded to ``dtype`` (what the backend
+        loads), so the comparison measures the backend's arithmetic, not the weights' rounding."""
+        if dtype == torch.float32:
+            return self.hf_model
+        key = str(dtype)
+        if key not in self._rounded:
+            model = copy.deepcopy(self.hf_model)
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.copy_(param.to(dtype).float())
+            self._rounded[key] = model
+        return self._rounded[key]
+
+    @property
+    def label(self) -> str:
+        scale = "" if self.magnitude == 1.0 else f" (embeddings x{self.magnitude:g})"
+        return f"{self.arch} h{self.head_size}{scale}"
 
 
-def save_tiny_model(arch: str, head_size: int, directory: Path) -> TinyModel:
+def save_tiny_model(
+    arch: str, head_size: int, directory: Path, magnitude: float = 1.0
+) -> TinyModel:
     """Build the model and ``save_pretrained`` it (safetensors) into ``directory``."""
-    model = build_tiny_model(arch, head_size)
+    model = build_tiny_model(arch, head_size, magnitude=magnitude)
     model.save_pretrained(directory, safe_serialization=True)
-    return TinyModel(arch, head_size, directory, model)
+    return TinyModel(arch, head_size, directory, model, magnitude)
 
 
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -88,22 +123,9 @@ def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hf_greedy(model: Any, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """HF transformers' greedy continuation of ``prompt`` and each chosen token's logprob."""
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [
-        float(torch.log_softmax(step_logits[0].float(), dim=-1)[token])
-        for step_logits, token in zip(out.logits, tokens)
-    ]
-    return tokens, logprobs
+def hf_logprob_rows(model: Any, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """HF transformers' (float32) log-probabilities ``[len(tokens), vocab]`` of each position a
+    continuation ``tokens`` of ``prompt`` was generated at (teacher forcing on ``tokens``)."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 :]
+    return torch.log_softmax(logits.float(), dim=-1)

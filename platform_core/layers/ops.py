@@ -11,20 +11,19 @@ Names and signatures:
 
 from __future__ import annotations
 
-import logging
+import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch.nn.functional as F
 
+from platform_core.errors import BackendError
 from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
 from platform_core.layers.linear import LinearFn
 from platform_core.layers.norm import RmsNormFn, rms_norm
 from platform_core.layers.rotary import RotaryFn, apply_rotary
 from platform_core.sample.sampler import ArgmaxFn, row_argmax
-
-logger = logging.getLogger(__name__)
 
 OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear", "argmax")
 
@@ -41,10 +40,20 @@ class LayerOps:
 
 
 def resolve_ops(overrides: Mapping[str, Callable[..., Any]] | None) -> LayerOps:
-    """Defaults replaced by ``overrides``; unknown names are logged and ignored, so a backend
-    written for a newer core still loads."""
+    """Defaults replaced by ``overrides``.
+
+    An unknown name is a ``BackendError`` (a misspelt override would otherwise silently run the
+    default op); a backend written for a newer core never gets here, its API version is refused.
+    """
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(OVERRIDABLE_OPS))
     if unknown:
-        logger.warning("ignoring unknown op overrides %s; known: %s", unknown, OVERRIDABLE_OPS)
-    return LayerOps(**{name: fn for name, fn in overrides.items() if name in OVERRIDABLE_OPS})
+        hints = [
+            f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+            for name in unknown
+            for close in [difflib.get_close_matches(name, OVERRIDABLE_OPS, n=1)]
+        ]
+        raise BackendError(
+            f"unknown op override {', '.join(hints)}; overridable ops: {OVERRIDABLE_OPS}"
+        )
+    return LayerOps(**overrides)

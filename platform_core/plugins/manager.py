@@ -106,9 +106,20 @@ def _broken_info(ep: EntryPoint | None, reason: str, name: str | None = None) ->
 
 
 def _incompatible(info: BackendInfo) -> BackendInfo:
+    """The row of a plugin whose API this core cannot run, saying which side to update."""
     declared = ".".join(map(str, info.api_version))
-    provided = ".".join(map(str, hookspecs.PLUGIN_API_VERSION))
-    reason = f"implements plugin API {declared}, but this platform-core provides {provided}"
+    core = hookspecs.PLUGIN_API_VERSION
+    provided = ".".join(map(str, core))
+    if info.api_version[0] != core[0]:
+        reason = (
+            f"the plugin targets an incompatible major plugin API {declared} (this "
+            f"platform-core provides {provided}): rebuild the plugin for plugin API {core[0]}.x"
+        )
+    else:
+        reason = (
+            f"the plugin needs plugin API {declared}, newer than this platform-core provides "
+            f"({provided}): upgrade platform-core"
+        )
     return dataclasses.replace(info, available=False, reason=reason)
 
 

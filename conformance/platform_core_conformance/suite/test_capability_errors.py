@@ -15,7 +15,7 @@ import pytest
 
 from platform_core.errors import UnsupportedByBackendError
 from platform_core_conformance.context import ConformanceContext
-from platform_core_conformance.engine import greedy, make_llm
+from platform_core_conformance.engine import generate_greedy, make_llm
 from platform_core_conformance.tiny_models import TinyModel
 
 
@@ -43,8 +43,8 @@ def _refused_or_adjusted(
     used = llm.engine.config.to_flat()[capability]
     record_property("handling", f"adjusted to {used}")
     assert used in declared, f"the engine started with undeclared {capability}={used!r}"
-    tokens, _ = greedy(llm, [[5, 6, 7]], max_tokens=2)
-    assert len(tokens[0]) == 2
+    [generation] = generate_greedy(llm, [[5, 6, 7]], max_tokens=2)
+    assert len(generation.tokens) == 2
 
 
 def test_undeclared_dtype_is_refused(

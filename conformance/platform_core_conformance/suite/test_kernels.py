@@ -2,7 +2,9 @@
 
 Each check writes K/V through the slot mapping (with ``-1`` padding rows between real tokens),
 runs ``forward`` on random non-contiguous block tables, and compares with the reference computed
-from the same rounded inputs; the measured error and the dtype's tolerance go to the report.
+from the same rounded inputs; the measured error and the dtype's tolerance go to the report, and
+a failure names the worst sequence, token position and head with both values. ``write_kv`` and
+padding are checked first, on their own; the other checks skip when they failed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from platform_core_conformance.batches import (
 from platform_core_conformance.tolerances import Comparison, compare, tolerance_for
 
 NUM_HEADS = 8
+GQA_HEADS = 16  # every ratio of the GQA check keeps at least two KV heads
+LARGE_MAGNITUDE = 16.0  # scores of std 16 (a peaked softmax), values of std 16
+
+pytestmark = pytest.mark.requires("write_kv", "padding")
 
 
 def _long(b: int) -> int:
@@ -65,16 +71,51 @@ def check_attention(
     seqs: list[Seq],
     record_error: Callable[[Comparison], None],
     seed: int = 0,
+    magnitude: float = 1.0,
 ) -> None:
-    """Write, attend, compare; fail with the measured error when outside the tolerance."""
-    case = make_case(shape, seqs, seed)
+    """Write, attend, compare; fail with the measured error and where it is worst."""
+    case = make_case(shape, seqs, seed, magnitude=magnitude)
     cache = new_cache(backend.attention, case, backend.device)
     fill_cache(backend.attention, case, cache)
     out = run_forward(backend.attention, case, cache, backend.device)
     backend.synchronize()
-    comparison = compare(out, expected_output(case), tolerance_for(shape.dtype))
+    tolerance = tolerance_for(shape.dtype)
+    comparison = compare(out, expected_output(case), tolerance, scale=magnitude)
     record_error(comparison)
-    assert comparison.passed, comparison.message()
+    comparison.check(case.locate, "attention forward vs reference")
+
+
+@pytest.mark.prerequisite("write_kv")
+def test_write_kv_stores_every_element(
+    backend: Backend, dtype: str, base_head_size: int, base_block_size: int
+) -> None:
+    """Layout-free: writing N tokens of non-zero K/V changes exactly 2 * N * KVH * D elements,
+    and rewriting the same slots changes the same elements."""
+    b = base_block_size
+    shape = AttentionShape(4, 2, base_head_size, b, dtype)
+    case = make_case(shape, [Seq(0, 2 * b + 3), Seq(0, b + 1)], seed=6)
+    cache = new_cache(backend.attention, case, backend.device)
+    tokens = sum(seq.total for seq in case.seqs)
+    expected = 2 * tokens * shape.num_kv_heads * shape.head_size
+
+    def write(offset: float) -> torch.Tensor:
+        for i, seq in enumerate(case.seqs):
+            # Magnitudes in [offset, offset + 1): no element rounds to zero.
+            keys = case.keys[i].sign() * (offset + case.keys[i].abs().clamp(max=1))
+            slots = torch.tensor(case.slots(i, 0, seq.total), device=backend.device)
+            values = keys.flip(-1).to(backend.device)
+            backend.attention.write_kv(keys.to(backend.device), values, cache, slots)
+        backend.synchronize()
+        return cache != 0
+
+    first = write(0.5)
+    changed = int(first.sum())
+    assert changed == expected, (
+        f"write_kv of {tokens} tokens changed {changed} cache elements, expected {expected} "
+        f"(2 x tokens x {shape.num_kv_heads} kv heads x head size {shape.head_size})"
+    )
+    moved = int((write(2.0) != first).sum())
+    assert moved == 0, f"rewriting the same slots changed {moved} other cache elements"
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -90,7 +131,7 @@ def test_paged_attention(
     check_attention(backend, shape, scenario(name, base_block_size), record_error)
 
 
-@pytest.mark.parametrize("num_kv_heads", [8, 4, 2, 1], ids=lambda k: f"gqa{NUM_HEADS // k}")
+@pytest.mark.parametrize("num_kv_heads", [16, 8, 4, 2], ids=lambda k: f"gqa{GQA_HEADS // k}-kv{k}")
 def test_gqa_ratios(
     backend: Backend,
     dtype: str,
@@ -99,8 +140,20 @@ def test_gqa_ratios(
     num_kv_heads: int,
     record_error: Callable[[Comparison], None],
 ) -> None:
-    shape = AttentionShape(NUM_HEADS, num_kv_heads, base_head_size, base_block_size, dtype)
+    shape = AttentionShape(GQA_HEADS, num_kv_heads, base_head_size, base_block_size, dtype)
     check_attention(backend, shape, scenario("mixed", base_block_size), record_error, seed=1)
+
+
+def test_large_magnitude_inputs(
+    backend: Backend,
+    dtype: str,
+    base_head_size: int,
+    base_block_size: int,
+    record_error: Callable[[Comparison], None],
+) -> None:
+    shape = AttentionShape(NUM_HEADS, 2, base_head_size, base_block_size, dtype)
+    seqs = scenario("mixed", base_block_size)
+    check_attention(backend, shape, seqs, record_error, seed=7, magnitude=LARGE_MAGNITUDE)
 
 
 def test_every_head_size(
@@ -125,6 +178,7 @@ def test_every_block_size(
     check_attention(backend, shape, scenario("block_boundaries", block_size), record_error, seed=3)
 
 
+@pytest.mark.prerequisite("padding")
 def test_padding_slots_write_nothing(
     backend: Backend, dtype: str, base_head_size: int, base_block_size: int
 ) -> None:
@@ -168,4 +222,4 @@ def test_copy_blocks_moves_whole_blocks(
     backend.synchronize()
     comparison = compare(out, expected_output(case), tolerance_for(dtype))
     record_error(comparison)
-    assert comparison.passed, comparison.message()
+    comparison.check(case.locate, "forward after copy_blocks")

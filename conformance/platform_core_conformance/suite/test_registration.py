@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from platform_core.errors import BackendError
+from platform_core.layers.ops import resolve_ops
 from platform_core.plugins.hookspecs import api_compatible
 from platform_core_conformance.batches import TORCH_DTYPES
 from platform_core_conformance.context import ConformanceContext
@@ -32,3 +34,14 @@ def test_capabilities_are_well_formed(conformance: ConformanceContext) -> None:
         assert values and all(isinstance(v, int) and v > 0 for v in values), (name, values)
     assert caps.max_batch is None or caps.max_batch >= 1
     assert all(isinstance(f, str) and f for f in caps.features), caps.features
+
+
+def test_op_overrides_are_known_callables(conformance: ConformanceContext) -> None:
+    """A misspelt name would silently run the core's default; the engine refuses it too."""
+    overrides = conformance.op_overrides
+    for op, fn in overrides.items():
+        assert callable(fn), f"op override {op!r} is {fn!r}, not a callable"
+    try:
+        resolve_ops(overrides)
+    except BackendError as exc:
+        raise AssertionError(str(exc)) from None

@@ -1,0 +1,183 @@
+"""The table of overridable ops: for each, the core's default and the inputs it is checked on.
+
+A backend's override (``Backend.op_overrides()``) runs on inputs in the dtype under test, on its
+device; the core's default op runs on the same rounded inputs in float32, on the host (the
+truth), and in the dtype (the baseline: an override may be as far from the truth as the default
+op itself is in that dtype, twice over, on top of the dtype's tolerance). Cases
+cover the shapes that matter (odd sizes, one row and many, bias present and absent, strided
+views as the model passes them) and magnitudes from tiny (where a norm's epsilon dominates) to
+large (where float16 squares overflow). An op added to the contract later (structured-output
+bitmask, LoRA, quantized linear, KV export/import) joins by adding its row to ``OP_TABLE``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from platform_core.layers.ops import OVERRIDABLE_OPS, LayerOps
+
+EPS = 1e-5
+Inputs = tuple[object, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpCase:
+    """One call of an op: an id for reports, a float32 input builder and the inputs' magnitude.
+
+    ``build(gen)`` returns the arguments; every float tensor among them is rounded to the dtype
+    under test before either side runs.
+    """
+
+    name: str
+    build: Callable[[torch.Generator], Inputs]
+    magnitude: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class OpRun:
+    """Outputs of one case: the backend's override, and the core's default in float32 (the
+    truth) and in the dtype under test (the baseline)."""
+
+    actual: tuple[torch.Tensor, ...]
+    expected: tuple[torch.Tensor, ...]
+    baseline: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OpSpec:
+    """An overridable op: its cases, and whether its output is compared exactly (indices)."""
+
+    cases: tuple[OpCase, ...]
+    exact: bool = False
+
+
+def _randn(gen: torch.Generator, *dims: int, scale: float = 1.0) -> torch.Tensor:
+    return scale * torch.randn(dims, generator=gen)
+
+
+def _rms_case(name: str, dims: tuple[int, ...], magnitude: float) -> OpCase:
+    def build(gen: torch.Generator) -> Inputs:
+        weight = 1.0 + 0.2 * _randn(gen, dims[-1])
+        return (_randn(gen, *dims, scale=magnitude), weight, EPS)
+
+    return OpCase(f"{name}-x{list(dims)}", build, magnitude)
+
+
+def _linear_case(name: str, rows: int, inputs: int, outputs: int, bias: bool, mag: float) -> OpCase:
+    def build(gen: torch.Generator) -> Inputs:
+        x = _randn(gen, rows, inputs, scale=mag)
+        weight = _randn(gen, outputs, inputs, scale=inputs**-0.5)
+        return (x, weight, _randn(gen, outputs, scale=mag) if bias else None)
+
+    bias_id = "bias" if bias else "nobias"
+    return OpCase(f"{name}-{rows}x{inputs}->{outputs}-{bias_id}", build, mag)
+
+
+def _rotary_case(name: str, tokens: int, heads: int, kv_heads: int, size: int) -> OpCase:
+    """Query and key as the model passes them: strided views of one fused q/k/v tensor."""
+
+    def build(gen: torch.Generator) -> Inputs:
+        qkv = _randn(gen, tokens, heads + 2 * kv_heads, size)
+        query, key, _ = qkv.split((heads, kv_heads, kv_heads), dim=1)
+        positions = torch.randint(0, 4096, (tokens, 1), generator=gen).float()
+        inv_freq = 10000.0 ** (-torch.arange(0, size, 2).float() / size)
+        angles = positions * inv_freq
+        return (query, key, angles.cos(), angles.sin())
+
+    return OpCase(f"{name}-t{tokens}-h{heads}-kv{kv_heads}-d{size}", build)
+
+
+def _silu_case(name: str, rows: int, size: int, magnitude: float) -> OpCase:
+    def build(gen: torch.Generator) -> Inputs:
+        return (_randn(gen, rows, 2 * size, scale=magnitude),)
+
+    return OpCase(f"{name}-{rows}x2*{size}", build, magnitude)
+
+
+def _argmax_case(name: str, rows: int, vocab: int) -> OpCase:
+    """Distinct small integers per row (exact in every dtype): one right answer per row."""
+
+    def build(gen: torch.Generator) -> Inputs:
+        rows_of = [torch.randperm(vocab, generator=gen) for _ in range(rows)]
+        return (torch.stack(rows_of).float() - vocab // 2,)
+
+    return OpCase(f"{name}-{rows}x{vocab}", build)
+
+
+OP_TABLE: dict[str, OpSpec] = {
+    "rms_norm": OpSpec(
+        (
+            _rms_case("odd", (5, 67), 1.0),
+            _rms_case("heads", (3, 4, 32), 1.0),
+            _rms_case("tiny", (4, 64), 1e-3),  # mean square 1e-6 < eps: epsilon dominates
+            _rms_case("large", (4, 64), 300.0),  # squares overflow float16
+        )
+    ),
+    "linear": OpSpec(
+        (
+            _linear_case("one-row", 1, 67, 35, True, 1.0),
+            _linear_case("rows", 7, 64, 48, True, 1.0),
+            _linear_case("odd", 7, 67, 33, False, 1.0),
+            _linear_case("large", 5, 64, 40, True, 100.0),
+        )
+    ),
+    "rotary": OpSpec(
+        (
+            _rotary_case("gqa", 5, 4, 2, 64),
+            _rotary_case("odd", 7, 3, 1, 32),
+        )
+    ),
+    "silu_and_mul": OpSpec(
+        (
+            _silu_case("odd", 5, 67, 1.0),
+            _silu_case("one-row", 1, 128, 1.0),
+            _silu_case("large", 4, 64, 30.0),
+        )
+    ),
+    "argmax": OpSpec((_argmax_case("odd", 3, 67), _argmax_case("rows", 9, 256)), exact=True),
+}
+assert set(OP_TABLE) == set(OVERRIDABLE_OPS), "every overridable op needs a row in OP_TABLE"
+
+DEFAULTS = LayerOps()
+
+
+def cast_inputs(inputs: Inputs, dtype: torch.dtype, device: torch.device | None = None) -> Inputs:
+    """``inputs`` with every float tensor in ``dtype`` (views kept: a strided view stays one)."""
+
+    def cast(arg: object) -> object:
+        if not isinstance(arg, torch.Tensor) or not arg.is_floating_point():
+            return arg
+        base = arg if arg._base is None else arg._base
+        moved = base.to(dtype=dtype, device=device, copy=True)
+        # A view is re-created on the copied base with its own strides.
+        return moved.as_strided(arg.shape, arg.stride(), arg.storage_offset())
+
+    return tuple(cast(arg) for arg in inputs)
+
+
+def outputs_of(result: object) -> tuple[torch.Tensor, ...]:
+    """An op's result as a tuple of tensors (rotary returns two)."""
+    return tuple(result) if isinstance(result, tuple) else (result,)
+
+
+def run_case(
+    name: str,
+    case: OpCase,
+    override: Callable[..., object],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> OpRun:
+    """Run op ``name`` on ``case`` in ``dtype``: the override on ``device``, the default here."""
+    inputs = case.build(torch.Generator().manual_seed(seed))
+    rounded = cast_inputs(cast_inputs(inputs, dtype), torch.float32)
+    default = getattr(DEFAULTS, name)
+    # Each side gets its own copies (an op may work in place).
+    return OpRun(
+        actual=outputs_of(override(*cast_inputs(rounded, dtype, device))),
+        expected=outputs_of(default(*cast_inputs(rounded, torch.float32))),
+        baseline=outputs_of(default(*cast_inputs(rounded, dtype))),
+    )

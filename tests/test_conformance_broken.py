@@ -1,0 +1,152 @@
+"""The conformance suite fails deliberately broken backends, naming the faulty piece, and passes
+the correct one (``tests/conformance_backends.py``: in-process plugins, nothing installed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conformance_backends import (
+    CAPABILITIES,
+    DEFAULT_OPS,
+    Bf16Raises,
+    CausalOffByOneAfterPrefix,
+    FixturePlugin,
+    PaddingWritten,
+    ScaledAttention,
+    WrongGqaMapping,
+    fp16_rms_norm,
+    linear_without_bias,
+    rms_norm_without_eps,
+)
+from platform_core_conformance import run_conformance
+
+# What in-process backends can run (the engine loads installed backends only).
+UNIT_CHECKS = "test_kernels or test_ops or test_registration"
+OPS = "test_ops or test_registration"
+WITH_FP16 = dataclasses.replace(CAPABILITIES, dtypes=("float32", "float16"))
+
+
+def _checks(plugin: FixturePlugin, keyword: str, tmp_path: Path) -> tuple[int, dict[str, Any]]:
+    """Run the suite on ``plugin``; the exit code and the report's checks by short name."""
+    report = tmp_path / f"{plugin.name}.json"
+    code = run_conformance(plugin.name, report=report, keyword=keyword, backend_plugins=[plugin])
+    doc = json.loads(report.read_text())
+    return code, {c["id"].split("::")[-1]: c for c in doc["checks"]}
+
+
+def _failed(checks: dict[str, Any]) -> dict[str, str]:
+    return {name: c["message"] for name, c in checks.items() if c["outcome"] == "failed"}
+
+
+def test_the_correct_fixture_backend_passes_every_unit_check(tmp_path: Path) -> None:
+    plugin = FixturePlugin("correct", overrides=dict(DEFAULT_OPS))
+    code, checks = _checks(plugin, UNIT_CHECKS, tmp_path)
+    assert code == 0, _failed(checks)
+    ops = [name for name in checks if name.startswith("test_op_override_matches")]
+    # Every overridable op, in both declared dtypes, on several cases each.
+    assert {name.split("-")[1] for name in ops} == set(DEFAULT_OPS)
+    assert len(ops) > 2 * len(DEFAULT_OPS)
+
+
+# name -> (plugin, checks to run, {failing check: text its message must contain}, passing checks)
+CATALOGUE: dict[str, tuple[FixturePlugin, str, dict[str, str], list[str]]] = {
+    "causal-off-by-one": (
+        FixturePlugin("causal-off-by-one", CausalOffByOneAfterPrefix),
+        "test_paged_attention",
+        {"test_paged_attention[float32-prefill_after_cached_prefix]": "token position"},
+        ["test_paged_attention[float32-prefill]", "test_paged_attention[bfloat16-prefill]"],
+    ),
+    "scale-2pct": (
+        FixturePlugin("scale-2pct", lambda: ScaledAttention(1.02)),
+        "test_kernels and bfloat16",
+        {
+            "test_paged_attention[bfloat16-decode]": "worst at sequence",
+            # Every element within the loose bf16 bound: only the RMS bound catches it.
+            "test_paged_attention[bfloat16-prefill]": "relative RMS error 0.01",
+            "test_gqa_ratios[bfloat16-gqa8-kv2]": "kv head",
+        },
+        ["test_paged_attention[bfloat16-one_token]", "test_padding_slots_write_nothing[bfloat16]"],
+    ),
+    "gqa-mapping": (
+        FixturePlugin("gqa-mapping", WrongGqaMapping),
+        "test_gqa_ratios and float32",
+        {"test_gqa_ratios[float32-gqa8-kv2]": "(kv head "},
+        ["test_gqa_ratios[float32-gqa1-kv16]"],
+    ),
+    "bf16-raises": (
+        FixturePlugin("bf16-raises", Bf16Raises),
+        "test_paged_attention and mixed",
+        {"test_paged_attention[bfloat16-mixed]": "bf16 paged attention kernel is missing"},
+        ["test_paged_attention[float32-mixed]"],
+    ),
+    "fp16-norm-overflow": (
+        FixturePlugin(
+            "fp16-norm-overflow", overrides={"rms_norm": fp16_rms_norm}, capabilities=WITH_FP16
+        ),
+        OPS,
+        {
+            "test_op_override_matches_the_core_default[float16-rms_norm-large-x[4, 64]]": (
+                "op override 'rms_norm' vs the core's default (float16, case large"
+            )
+        },
+        ["test_op_override_matches_the_core_default[float32-rms_norm-large-x[4, 64]]"],
+    ),
+    "rms-norm-no-eps": (
+        FixturePlugin("rms-norm-no-eps", overrides={"rms_norm": rms_norm_without_eps}),
+        OPS,
+        {
+            "test_op_override_matches_the_core_default[float32-rms_norm-tiny-x[4, 64]]": (
+                "op override 'rms_norm'"
+            )
+        },
+        ["test_op_override_matches_the_core_default[float32-rms_norm-odd-x[5, 67]]"],
+    ),
+    "linear-no-bias": (
+        FixturePlugin("linear-no-bias", overrides={"linear": linear_without_bias}),
+        OPS,
+        {
+            "test_op_override_matches_the_core_default[bfloat16-linear-rows-7x64->48-bias]": (
+                "op override 'linear'"
+            )
+        },
+        ["test_op_override_matches_the_core_default[bfloat16-linear-odd-7x67->33-nobias]"],
+    ),
+    "misspelt-override": (
+        FixturePlugin("misspelt-override", overrides={"rmsnorm": DEFAULT_OPS["rms_norm"]}),
+        OPS,
+        {"test_op_overrides_are_known_callables": "'rmsnorm' (did you mean 'rms_norm'?)"},
+        ["test_capabilities_are_well_formed"],
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", list(CATALOGUE))
+def test_a_broken_backend_fails_naming_the_faulty_piece(bug: str, tmp_path: Path) -> None:
+    plugin, keyword, failing, passing = CATALOGUE[bug]
+    code, checks = _checks(plugin, keyword, tmp_path)
+    assert code == pytest.ExitCode.TESTS_FAILED
+    failed = _failed(checks)
+    for name, text in failing.items():
+        assert name in failed, f"{name} did not fail: {checks.get(name)}"
+        assert text in failed[name], failed[name]
+    for name in passing:
+        assert checks[name]["outcome"] == "passed", checks[name]
+
+
+def test_wrong_padding_fails_once_and_its_dependents_say_why_they_skipped(tmp_path: Path) -> None:
+    plugin = FixturePlugin("padding-written", PaddingWritten)
+    code, checks = _checks(plugin, "test_kernels and bfloat16", tmp_path)
+    assert code == pytest.ExitCode.TESTS_FAILED
+    failed = _failed(checks)
+    assert list(failed) == ["test_padding_slots_write_nothing[bfloat16]"], failed
+    assert "writing only -1 slots changed" in failed["test_padding_slots_write_nothing[bfloat16]"]
+    assert checks["test_write_kv_stores_every_element[bfloat16]"]["outcome"] == "passed"
+    dependent = checks["test_paged_attention[bfloat16-mixed]"]
+    assert dependent["outcome"] == "skipped"
+    assert dependent["message"] == (
+        "skipped because prerequisite test_padding_slots_write_nothing[bfloat16] (padding) failed"
+    )
