@@ -155,11 +155,11 @@ def test_backend_graph_runner_wraps_every_serving_step(tiny_model_dir, monkeypat
 def test_unset_block_size_takes_the_backends_preferred_size(tiny_model_dir, caplog):
     from platform_core_cpu.plugin import capabilities
 
-    CAPABILITIES = capabilities()
+    caps = capabilities()
 
     with caplog.at_level(logging.INFO, logger="platform_core.engine"):
         llm = LLM(str(tiny_model_dir("llama")), dtype="float32", kv_cache_memory_bytes=1 << 22)
-    assert llm.engine.config.cache.block_size == CAPABILITIES.preferred_block_size == 128
+    assert llm.engine.config.cache.block_size == caps.preferred_block_size == 128
     assert "block_size 128 (backend cpu's preferred size)" in caplog.text
     chosen = LLM(str(tiny_model_dir("llama")), dtype="float32", block_size=32)
     assert chosen.engine.config.cache.block_size == 32  # a set size is kept
@@ -168,14 +168,18 @@ def test_unset_block_size_takes_the_backends_preferred_size(tiny_model_dir, capl
 
 
 @pytest.mark.parametrize("requested", ["auto", "float32"])
-def test_auto_dtype_takes_the_backends_choice_for_float32_checkpoints(tiny_model_dir, requested):
+def test_auto_dtype_takes_the_backends_choice_for_float32_checkpoints(
+    tiny_model_dir, requested, caplog
+):
     from platform_core_cpu.isa import host_isa
     from platform_core_cpu.plugin import capabilities
 
-    CAPABILITIES = capabilities()
-    assert CAPABILITIES.auto_float32_dtype == ("bfloat16" if host_isa().native_bf16 else None)
-    llm = LLM(str(tiny_model_dir("llama")), dtype=requested, backend="cpu")  # a float32 checkpoint
-    chosen = CAPABILITIES.auto_float32_dtype if requested == "auto" else None
+    caps = capabilities()
+    assert caps.auto_float32_dtype == ("bfloat16" if host_isa().at_least("avx2") else None)
+    with caplog.at_level(logging.INFO, logger="platform_core"):
+        llm = LLM(str(tiny_model_dir("llama")), dtype=requested, backend="cpu")  # float32 ckpt
+    chosen = caps.auto_float32_dtype if requested == "auto" else None
+    assert (caps.auto_dtype_reason in caplog.text) == (chosen is not None)
     expected = chosen or "float32"  # an explicit float32 is kept
     assert llm.engine.config.model.dtype == expected
     assert {p.dtype for p in llm.engine.runner.model.parameters()} == {getattr(torch, expected)}

@@ -49,11 +49,13 @@ def apply_auto_dtype(config: EngineConfig, backend: Backend) -> EngineConfig:
     target = backend.capabilities.auto_float32_dtype
     if config.model.dtype != "float32" or target is None:
         return config
+    reason = backend.capabilities.auto_dtype_reason
     logger.info(
-        "dtype auto: the float32 checkpoint runs in %s on backend %s (pass dtype=float32 to "
+        "dtype auto: the float32 checkpoint runs in %s on backend %s%s (pass dtype=float32 to "
         "keep float32)",
         target,
         backend.name,
+        f": {reason}" if reason else "",
     )
     return config.replace(dtype=target)
 

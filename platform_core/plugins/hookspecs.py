@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "platform_core"
 ENTRY_POINT_GROUP = "platform_core.backends"
-# 1.1: Capabilities.auto_float32_dtype; 1.2: BackendInfo.details
+# 1.1: Capabilities.auto_float32_dtype; 1.2: BackendInfo.details, Capabilities.auto_dtype_reason
 PLUGIN_API_VERSION = (1, 2)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

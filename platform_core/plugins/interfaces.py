@@ -28,7 +28,8 @@ class Capabilities:
     ``"cuda_graphs"``, ``"fp8_kv"``, ...). ``max_batch`` of ``None`` means unlimited.
     ``preferred_block_size`` is the KV block size used when the user sets none.
     ``auto_float32_dtype`` is the dtype ``dtype="auto"`` runs a float32 checkpoint in (``None``:
-    float32), e.g. bf16 where the device computes in it natively (since plugin API 1.1).
+    float32), e.g. bf16 where the device computes in it natively (since plugin API 1.1);
+    ``auto_dtype_reason`` says why, for the log (since 1.2).
     """
 
     dtypes: tuple[str, ...]
@@ -38,6 +39,7 @@ class Capabilities:
     features: tuple[str, ...] = ()
     preferred_block_size: int = 16
     auto_float32_dtype: str | None = None
+    auto_dtype_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
