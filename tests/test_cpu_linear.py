@@ -97,8 +97,10 @@ def test_backend_linear_at_each_level_routes_and_matches(level: str) -> None:
         _close(got, F.linear(x.float(), w.float(), b.float()))
     xt = torch.randn(64, 5, generator=gen).to(torch.bfloat16).t()  # columns contiguous
     _close(linear(xt, w), F.linear(xt.float(), w.float()))
-    x32, w32 = torch.randn(4, 64, generator=gen), torch.randn(8, 64, generator=gen)
-    assert torch.equal(linear(x32, w32), F.linear(x32, w32))  # float32: F.linear itself
+    for rows in (1, 4, 40):  # float32: packed for oneDNN where the build has it
+        x32, w32 = torch.randn(rows, 64, generator=gen), torch.randn(8, 64, generator=gen)
+        b32 = torch.randn(8, generator=gen)
+        torch.testing.assert_close(linear(x32, w32, b32), F.linear(x32, w32, b32))
 
 
 def test_one_row_goes_to_the_kernel_only_with_bf16_dot_products() -> None:
@@ -140,15 +142,28 @@ def test_packed_matches_f_linear_bf16(batch: int, bias: bool) -> None:
     _close(linear(xt, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.skipif(not packed_linear_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("rows", [1, 3, 77])
+def test_packed_float32_matches_f_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(97, 70, generator=gen), torch.randn(97, generator=gen)
+    x = torch.randn(rows, 70, generator=gen)
+    linear = CpuLinear(None, onednn=False, onednn_float32=True)
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(linear(x.view(1, rows, 70), w)[0], F.linear(x, w))
+    assert len(linear._cache) == 1
+
+
 @needs_onednn
-def test_in_place_weight_update_repacks() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_in_place_weight_update_repacks(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
-    w = torch.randn(32, 16, generator=gen).to(torch.bfloat16)
-    x = torch.randn(5, 16, generator=gen).to(torch.bfloat16)
-    linear = CpuLinear(None, onednn=True)
+    w = torch.randn(32, 16, generator=gen).to(dtype)
+    x = torch.randn(5, 16, generator=gen).to(dtype)
+    linear = CpuLinear(None, onednn=True, onednn_float32=True)
     linear(x, w)
     with torch.no_grad():
-        w.copy_(torch.randn(32, 16, generator=gen).to(torch.bfloat16))
+        w.copy_(torch.randn(32, 16, generator=gen).to(dtype))
     _close(linear(x, w), F.linear(x, w))
 
 

@@ -1,17 +1,20 @@
-"""The CPU backend's linear: bf16 weights and activations on the path this CPU has.
+"""The CPU backend's linear: float32 and bf16 weights and activations on the path this CPU has.
 
-- CPUs whose oneDNN computes bf16 (AVX-512, AMX, AVX-NE-CONVERT): weights are packed once into
-  oneDNN's blocked layout and reused while unchanged (same tensor object, storage and in-place
-  version), so a reloaded weight is packed again. ``F.linear`` on a plain bf16 weight pays per
-  call for preparing it; at decode's small batches that costs about as much as the matmul
-  (measured: packed is 1.5-2.4x faster at batch 1-8, equal at 256). A single activation row on
+- float32 (any CPU with oneDNN): weights packed for oneDNN, as below; 1.2-3x faster than
+  ``F.linear`` at the random Llama's shapes, from one row to 512 (benchmarks/RESULTS.md).
+- bf16 on CPUs whose oneDNN computes bf16 (AVX-512, AMX, AVX-NE-CONVERT): weights are packed
+  once into oneDNN's blocked layout and reused while unchanged (same tensor object, storage and
+  in-place version), so a reloaded weight is packed again. ``F.linear`` on a plain bf16 weight
+  pays per call for preparing it; at decode's small batches that costs about as much as the
+  matmul (measured: packed is 1.5-2.4x faster at batch 1-8, equal at 256). A single activation row on
   an AVX512-BF16 CPU goes through the compiled GEMV instead (it streams weights faster:
   benchmarks/RESULTS.md, batch-1 decode on SmolLM2).
 - Other CPUs (AVX2): oneDNN raises on bf16 weights there, so every bf16 linear goes through the
   compiled ``linear_bf16``, which keeps the weights bf16 in memory (half the bytes of float32:
   decode reads them all each step) and widens them to fp32 in registers.
 
-Other dtypes, and builds without the compiled kernels or oneDNN, take ``F.linear`` unchanged.
+Other dtypes, mixed dtypes, and builds without the compiled kernels or oneDNN take ``F.linear``
+unchanged.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class _Packed:
 
 
 class CpuLinear:
-    """``F.linear(x, weight, bias)`` with bf16 ``x`` and ``weight`` on this CPU's best path.
+    """``F.linear(x, weight, bias)`` on this CPU's best path for the weights' dtype.
 
     Args:
         kernel: the compiled ``linear_bf16`` (any number of rows), or ``None`` without the
@@ -55,6 +58,7 @@ class CpuLinear:
         onednn: oneDNN computes bf16 on this CPU: several rows go to packed weights.
         one_row_kernel: one row goes to ``kernel`` even where oneDNN could take it (the
             AVX512-BF16 GEMV).
+        onednn_float32: float32 linears go to packed weights.
 
     The packed cache holds one copy per weight (extra memory equal to the bf16 weights used);
     entries go away with their weight.
@@ -66,15 +70,17 @@ class CpuLinear:
         *,
         onednn: bool,
         one_row_kernel: bool = False,
+        onednn_float32: bool = False,
     ) -> None:
         self._cache: dict[int, _Packed] = {}
         self._kernel = kernel
         self._onednn = onednn
+        self._onednn_float32 = onednn_float32
         self._one_row_kernel = one_row_kernel and kernel is not None
 
     @property
     def path(self) -> str:
-        """Which path bf16 linears take, in words (logs and ``platform-core backends``)."""
+        """Which path bf16 linears take, in words (for the log)."""
         if self._onednn:
             one_row = "; one row: compiled GEMV" if self._one_row_kernel else ""
             return f"oneDNN on packed weights{one_row}"
@@ -85,18 +91,27 @@ class CpuLinear:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or weight.requires_grad:
+        if weight.requires_grad or x.dtype != weight.dtype:
+            return F.linear(x, weight, bias)
+        if weight.dtype == torch.float32 and self._onednn_float32:
+            return self._onednn_linear(x, weight, bias)
+        if weight.dtype != torch.bfloat16:
             return F.linear(x, weight, bias)
         if self._onednn:
             if self._one_row_kernel and x.dim() == 2 and x.shape[0] == 1 and _rows_fit(x, weight):
                 return self._kernel(x, weight, bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight), bias, "none", [], "")
+            return self._onednn_linear(x, weight, bias)
         if self._kernel is None:
             return F.linear(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         if not _rows_fit(rows, weight):
             rows, weight = rows.contiguous(), weight.contiguous()
         return self._kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    def _onednn_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed(weight), bias, "none", [], "")
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)

@@ -21,6 +21,7 @@ from platform_core.plugins.interfaces import (
 )
 from platform_core_cpu.graph_runner import GRAPHS_ENV, CpuGraphRunner
 from platform_core_cpu.isa import CpuIsa, host_isa
+from platform_core_cpu.linear import packed_linear_available
 
 logger = logging.getLogger("platform_core_cpu")
 
@@ -85,20 +86,22 @@ class CpuBackend(Backend):
         return TorchDistributedCommunicator(group=group, device=self.device)
 
     def op_overrides(self) -> dict[str, Any]:
-        """bf16 linears on this CPU's path (:class:`~platform_core_cpu.linear.CpuLinear`;
-        other dtypes are unchanged), and the compiled fused RMS norm, SiLU-and-multiply,
-        rotary and argmax, unless on the torch path."""
+        """float32 and bf16 linears on this CPU's path
+        (:class:`~platform_core_cpu.linear.CpuLinear`; other dtypes are unchanged), and the
+        compiled fused RMS norm, SiLU-and-multiply, rotary and argmax, unless on the torch
+        path."""
         from platform_core_cpu.layer_ops import fused_layer_ops
-        from platform_core_cpu.linear import CpuLinear, packed_linear_available
+        from platform_core_cpu.linear import CpuLinear
 
         overrides: dict[str, Any] = {}
         compiled = self.attention.compiled_ops()
         onednn = self.isa.onednn_bf16 and packed_linear_available()
-        if onednn or compiled is not None:
+        if packed_linear_available() or compiled is not None:
             linear = CpuLinear(
                 None if compiled is None else compiled.linear_bf16,
                 onednn=onednn,
                 one_row_kernel=compiled is not None and compiled.bf16_dot_products(),
+                onednn_float32=packed_linear_available(),
             )
             _log_linear_path(linear.path, self.isa)
             overrides["linear"] = linear
@@ -167,6 +170,9 @@ def describe_paths(isa: CpuIsa) -> tuple[str, ...]:
         f"levels this CPU runs: {', '.join(isa.supported)}",
         bf16_math,
         linears,
+        "float32 linears: oneDNN on packed weights"
+        if packed_linear_available()
+        else "float32 linears: torch's F.linear (no oneDNN in this torch build)",
     )
 
 
