@@ -2,12 +2,12 @@
 
 - float32 (any CPU with oneDNN): weights packed for oneDNN, as below; 1.2-3x faster than
   ``F.linear`` at the random Llama's shapes, from one row to 512 (benchmarks/RESULTS.md).
-- bf16 on CPUs whose oneDNN computes bf16 (AVX-512, AMX, AVX-NE-CONVERT): weights are packed
-  once into oneDNN's blocked layout and reused while unchanged (same tensor object, storage and
-  in-place version), so a reloaded weight is packed again. ``F.linear`` on a plain bf16 weight
-  pays per call for preparing it; at decode's small batches that costs about as much as the
-  matmul (measured: packed is 1.5-2.4x faster at batch 1-8, equal at 256). A single activation row on
-  an AVX512-BF16 CPU goes through the compiled GEMV instead (it streams weights faster:
+- bf16 on CPUs whose oneDNN computes bf16 (AVX-512, AMX, AVX-NE-CONVERT): weights are packed once
+  into oneDNN's blocked layout and reused while unchanged (same tensor object, storage and
+  in-place version), so a reloaded weight is packed again. ``F.linear`` on a plain bf16 weight pays
+  per call for preparing it; at decode's small batches that costs about as much as the matmul
+  (measured: packed is 1.5-2.4x faster at batch 1-8, equal at 256). A single activation row on an
+  AVX512-BF16 CPU goes through the compiled GEMV instead (it streams weights faster:
   benchmarks/RESULTS.md, batch-1 decode on SmolLM2).
 - Other CPUs (AVX2): oneDNN raises on bf16 weights there, so every bf16 linear goes through the
   compiled ``linear_bf16``, which keeps the weights bf16 in memory (half the bytes of float32:
