@@ -22,6 +22,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import platform_core  # noqa: F401 -- first: its OpenMP defaults must be set before torch loads
+
+# isort: split
 import torch
 
 from platform_core.bench.comparison import EngineRun, markdown_table

