@@ -4,10 +4,11 @@ libgomp (torch's OpenMP on Linux) lets a thread that finished its share of a par
 spin for ``GOMP_SPINCOUNT`` iterations (300,000 by default) before it sleeps. On a machine
 whose cores are all ours that saves a wake-up between back-to-back kernels; on a shared one
 (another process on a core) the spinning threads take time slices from the thread everyone
-waits for, and throughput collapses. 3,000 iterations keep the quiet-machine speed and most of
-the speed under contention (benchmarks/RESULTS.md: the mixed workload beside ``stress-ng --cpu
-1``). A value the user set is kept; libgomp reads it once, so this works only where
-platform-core is imported before torch (the CLI, the server, a script that imports it first).
+waits for, and throughput collapses. 10,000 iterations keep the quiet-machine speed (within
+3%) and a quarter more under contention; fewer trade more quiet speed for it (3,000: -18% quiet,
++45% under contention; benchmarks/RESULTS.md: the mixed workload beside ``stress-ng --cpu 1``).
+A value the user set is kept; libgomp reads it once, so this works only where platform-core is
+imported before torch (the CLI, the server, a script that imports it first).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-DEFAULTS = {"GOMP_SPINCOUNT": "3000"}
+DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 _filled_in_process: set[str] = set()
 
 

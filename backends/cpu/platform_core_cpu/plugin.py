@@ -53,8 +53,8 @@ def _auto_dtype_reason(isa: CpuIsa) -> str:
     if isa.at_least("avx2"):
         return (
             "half the bytes per weight and cached key; without native bf16 they widen in "
-            "registers, and bf16 still measured faster than float32 on AVX2 (decode 2.8x, "
-            "mixed workload 1.3x)"
+            "registers: on AVX2 batch-1 decode measured 1.8-3.4x faster than float32, a "
+            "prefill-heavy offline batch 0.9x (benchmarks/RESULTS.md)"
         )
     return ""
 
