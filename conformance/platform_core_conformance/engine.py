@@ -73,7 +73,11 @@ def live_tensor_bytes(device: torch.device) -> int:
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         # type() rather than isinstance(): no __class__ lookups on arbitrary (proxy) objects.
-        if issubclass(type(obj), torch.Tensor) and obj.device.type == device.type:
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        if not (issubclass(type(obj), torch.Tensor) and obj.device.type == device.type):
+            continue
+        if obj.is_mkldnn:  # opaque oneDNN tensors (packed weights) have no storage to share
+            storages[-id(obj)] = obj.numel() * obj.element_size()
+            continue
+        storage = obj.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
