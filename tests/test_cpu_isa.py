@@ -92,3 +92,19 @@ def test_env_var_forces_the_host_level(monkeypatch):
     monkeypatch.setenv(ISA_ENV, "no-such-level")
     with pytest.raises(ConfigError, match=ISA_ENV):
         cpu_isa.host_isa()
+
+
+def test_the_slower_linear_path_is_logged_once_with_its_reason(caplog):
+    import logging
+
+    from platform_core_cpu import plugin
+
+    plugin._log_linear_path.cache_clear()
+    level = "avx2" if "avx2" in cpu_isa.host_isa().supported else "generic"
+    forced = resolve_isa(cpu_isa.host_isa().flags, level)
+    with caplog.at_level(logging.INFO, logger="platform_core_cpu"):
+        CpuBackend(forced).op_overrides()
+        CpuBackend(forced).op_overrides()
+    lines = [r.message for r in caplog.records if "CPU bf16 linears" in r.message]
+    assert len(lines) == 1
+    assert ("AVX-512 or AVX-NE-CONVERT" in lines[0]) is not forced.onednn_bf16

@@ -95,13 +95,13 @@ class CpuBackend(Backend):
 
         overrides: dict[str, Any] = {}
         compiled = self.attention.compiled_ops()
-        onednn = self.isa.onednn_bf16 and packed_linear_available()
-        if packed_linear_available() or compiled is not None:
+        packed = packed_linear_available()
+        if packed or compiled is not None:
             linear = CpuLinear(
                 None if compiled is None else compiled.linear_bf16,
-                onednn=onednn,
+                onednn=self.isa.onednn_bf16 and packed,
                 one_row_kernel=compiled is not None and compiled.bf16_dot_products(),
-                onednn_float32=packed_linear_available(),
+                onednn_float32=packed,
             )
             _log_linear_path(linear.path, self.isa)
             overrides["linear"] = linear
