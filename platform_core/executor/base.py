@@ -17,6 +17,7 @@ import torch
 
 from platform_core.config import EngineConfig
 from platform_core.errors import PlatformCoreError
+from platform_core.executor.messages import AllocateKVCache, Forward, PlanKVCache, RankCall
 from platform_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from platform_core.worker.model_runner import KVCachePlan, ModelRunner
 
@@ -86,21 +87,21 @@ class UniprocExecutor(Executor):
 class LockstepExecutor(Executor):
     """Several ranks: each collective method goes to the workers, then runs on the driver.
 
-    Subclasses supply the transport: ``_send`` a call to every worker and ``_gather`` one reply
-    from each (raising ``WorkerDiedError`` for a dead, failed or silent worker).
+    Subclasses supply the transport: ``_send`` a typed call to every worker and ``_gather`` one
+    reply from each (raising ``WorkerDiedError`` for a dead, failed or silent worker).
     """
 
     @abstractmethod
-    def _send(self, method: str, args: tuple[Any, ...]) -> None: ...
+    def _send(self, call: RankCall) -> None: ...
 
     @abstractmethod
     def _gather(self) -> list[Any]: ...
 
-    def _call(self, method: str, *args: Any) -> tuple[Any, list[Any]]:
-        """Run ``method`` on every rank; the driver's result and the workers'."""
-        self._send(method, args)
+    def _call(self, call: RankCall) -> tuple[Any, list[Any]]:
+        """Run ``call`` on every rank; the driver's result and the workers' replies."""
+        self._send(call)
         try:
-            mine = getattr(self.driver, method)(*args)
+            mine = call.run(self.driver)
         except RuntimeError as exc:  # a collective whose peer died
             self.check_health()
             raise WorkerDiedError(f"a collective failed: {exc}") from exc
@@ -110,17 +111,21 @@ class LockstepExecutor(Executor):
         self, max_useful_blocks: int, max_model_len: int, extra_bytes_per_block: int = 0
     ) -> KVCachePlan:
         mine, theirs = self._call(
-            "plan_kv_cache", max_useful_blocks, max_model_len, extra_bytes_per_block
+            PlanKVCache(
+                max_useful_blocks=max_useful_blocks,
+                max_model_len=max_model_len,
+                extra_bytes_per_block=extra_bytes_per_block,
+            )
         )
         smallest = min(p.num_blocks for p in [mine, *theirs])
         return dataclasses.replace(mine, num_blocks=smallest)
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
-        self._call("allocate_kv_cache", num_blocks, max_model_len)
+        self._call(AllocateKVCache(num_blocks=num_blocks, max_model_len=max_model_len))
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         plan = self.driver.plan(output)
-        logits, _ = self._call("forward", plan)
+        logits, _ = self._call(Forward(plan=plan))
         return self.driver.step_sampler(output, plan, logits)
 
 

@@ -23,32 +23,32 @@ from platform_core.executor.base import (
     WorkerDiedError,
     destroy_process_group,
 )
+from platform_core.executor.messages import RankCall, RankReply, Shutdown, serve_call
 
 logger = logging.getLogger("platform_core.executor")
 
 
 def _worker_main(spec: ModelSpec, group: LoopbackGroupConfig, rank: int, conn: Connection) -> None:
-    """A worker process: build the rank, then serve ``(method, args)`` calls until shutdown."""
+    """A worker process: build the rank, then serve typed calls until ``Shutdown``."""
     from platform_core.executor.rank import build_rank_runner
 
     try:
         runner = build_rank_runner(spec, group, rank)
-        conn.send(("ok", None))
+        conn.send(RankReply())
     except Exception:  # reported to the driver, which fails start-up with it
-        conn.send(("error", traceback.format_exc()))
+        conn.send(RankReply(error=traceback.format_exc()))
         return
     while True:
         try:
-            method, args = conn.recv()
+            call = conn.recv()
         except EOFError:  # the driver is gone
             return
-        if method == "shutdown":
+        if isinstance(call, Shutdown):
             return
         try:
-            result = getattr(runner, method)(*args)
-            conn.send(("ok", None if method == "forward" else result))
+            conn.send(RankReply(serve_call(runner, call)))
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(RankReply(error=traceback.format_exc()))
             return
 
 
@@ -90,10 +90,10 @@ class MultiprocExecutor(LockstepExecutor):
             len(self._procs),
         )
 
-    def _send(self, method: str, args: tuple[Any, ...]) -> None:
+    def _send(self, call: RankCall) -> None:
         for conn, proc in zip(self._conns, self._procs):
             try:
-                conn.send((method, args))
+                conn.send(call)
             except (BrokenPipeError, OSError) as exc:
                 raise WorkerDiedError(f"worker {proc.name} is gone: {exc}") from exc
 
@@ -107,12 +107,12 @@ class MultiprocExecutor(LockstepExecutor):
                 if time.monotonic() > deadline:
                     raise WorkerDiedError(f"worker {proc.name} did not answer in {self.timeout}s")
             try:
-                status, value = conn.recv()
+                reply: RankReply = conn.recv()
             except EOFError as exc:
                 raise WorkerDiedError(f"worker {proc.name} closed its pipe") from exc
-            if status != "ok":
-                raise WorkerDiedError(f"worker {proc.name} failed:\n{value}")
-            results.append(value)
+            if reply.error is not None:
+                raise WorkerDiedError(f"worker {proc.name} failed:\n{reply.error}")
+            results.append(reply.value)
         return results
 
     def check_health(self) -> None:
@@ -124,7 +124,7 @@ class MultiprocExecutor(LockstepExecutor):
         destroy_process_group()
         for conn in self._conns:
             with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(("shutdown", ()))
+                conn.send(Shutdown())
         for proc in self._procs:
             proc.join(timeout=5)
             if proc.is_alive():

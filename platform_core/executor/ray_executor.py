@@ -20,6 +20,7 @@ from platform_core.executor.base import (
     WorkerDiedError,
     destroy_process_group,
 )
+from platform_core.executor.messages import RankCall, serve_call
 
 logger = logging.getLogger("platform_core.executor")
 
@@ -34,11 +35,12 @@ class RayRank:
 
         self.runner = build_rank_runner(spec, group, rank)
 
-    def call(self, method: str, args: tuple[Any, ...]) -> Any:
-        result = getattr(self.runner, method)(*args)
-        return None if method == "forward" else result
+    def call(self, call: RankCall) -> Any:
+        """Run one typed call on this rank."""
+        return serve_call(self.runner, call)
 
     def pid(self) -> int:
+        """This actor's process id (a liveness probe)."""
         return os.getpid()
 
 
@@ -86,8 +88,8 @@ class RayExecutor(LockstepExecutor):
             raise
         logger.info("tensor parallel: %d ranks (driver + %d Ray actors)", world, world - 1)
 
-    def _send(self, method: str, args: tuple[Any, ...]) -> None:
-        self._pending = [actor.call.remote(method, args) for actor in self._actors]
+    def _send(self, call: RankCall) -> None:
+        self._pending = [actor.call.remote(call) for actor in self._actors]
 
     def _gather(self) -> list[Any]:
         import ray
