@@ -60,7 +60,7 @@ if [ -n "${WHEELHOUSE:-}" ]; then
 fi
 run install 120 "$PY" -m pip install --no-deps --no-build-isolation "${packages[@]}"
 
-cli=("$PY" -m platform_core.entrypoints.cli)
+cli=("$PY" -m platform_core.cli.main)
 run tests 150 env PLATFORM_CORE_KERNEL_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
     tests/test_triton_kernels.py tests/test_gpu_backends.py tests/test_gpu_runtime.py
 

