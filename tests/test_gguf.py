@@ -22,12 +22,10 @@ import torch
 from safetensors.torch import load_file
 
 from platform_core.errors import ModelLoadError
+from platform_core.models.gguf_convert import gguf_config, gguf_state_dict, hf_tensor_name
 from platform_core.models.gguf_loader import (
     CACHE_ENV,
     MANIFEST_NAME,
-    gguf_config,
-    gguf_state_dict,
-    hf_tensor_name,
     manifest_problem,
     materialize_gguf,
 )

@@ -23,7 +23,7 @@ from platform_core.attention.metadata import AttentionMetadata
 from platform_core.errors import BackendError, ModelLoadError
 from platform_core.layers.ops import LayerOps
 from platform_core.layers.rotary import RopeScaling
-from platform_core.models.llama import DecoderSpec
+from platform_core.models.decoder_spec import DecoderSpec
 from platform_core.models.loader import dtype_from_config, load_model
 from platform_core.models.registry import get_model_class, supported_architectures
 from tests.conftest import TINY_MODELS
