@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.llm_engine import DEADLINE_EXCEEDED
@@ -49,6 +49,24 @@ class ServerContext:
     model_name: str
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def full_response(
+        self,
+        response_type: type[BaseModel],
+        response_id: str,
+        choices: list[Any],
+        finals: list[RequestOutput],
+    ) -> Response:
+        """A whole (non-streamed) response: ``response_type`` with ``choices`` and the fields
+        every response shares (id, created, model, usage over ``finals``)."""
+        body = response_type(
+            id=response_id,
+            created=self.created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage(finals),
+        )
+        return Response(body.model_dump_json(), media_type="application/json")
 
     def check_model(self, model: str | None) -> None:
         """An absent model means the served one; any other name is a 404."""

@@ -106,14 +106,7 @@ class ChatServing:
             )
             for c in final.outputs
         ]
-        result = ChatCompletionResponse(
-            id=response_id,
-            created=ctx.created,
-            model=ctx.model_name,
-            choices=choices,
-            usage=usage(finals),
-        )
-        return Response(result.model_dump_json(), media_type="application/json")
+        return ctx.full_response(ChatCompletionResponse, response_id, choices, finals)
 
     async def _chunks(
         self,

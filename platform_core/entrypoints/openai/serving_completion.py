@@ -83,14 +83,7 @@ class CompletionServing:
                         stop_reason=completion.stop_reason,
                     )
                 )
-        result = CompletionResponse(
-            id=response_id,
-            created=ctx.created,
-            model=ctx.model_name,
-            choices=choices,
-            usage=usage(finals),
-        )
-        return Response(result.model_dump_json(), media_type="application/json")
+        return ctx.full_response(CompletionResponse, response_id, choices, finals)
 
     async def _chunks(
         self,
