@@ -1,0 +1,89 @@
+"""GGUF files for tests: tiny seeded ones written here, and transformers' reading as reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 96, 4, 2, 2, 80
+
+
+def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, seed: int = 0) -> Path:
+    """A small seeded GGUF mixing F32, F16, Q8_0 and Q4_1 tensors (no tokenizer)."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_vocab_size(VOCAB)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    qtypes = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1]
+
+    def add(name: str, shape: tuple[int, ...]) -> None:
+        values = rng.standard_normal(shape).astype(np.float32)
+        if len(shape) == 1:  # norms and biases
+            writer.add_tensor(name, values)
+        elif name.startswith("blk.1."):
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            qtype = qtypes[len(name) % 2]
+            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+    head_dim = HIDDEN // HEADS
+    add("token_embd.weight", (VOCAB, HIDDEN))
+    add("output_norm.weight", (HIDDEN,))
+    if not tied:
+        add("output.weight", (VOCAB, HIDDEN))
+    for i in range(LAYERS):
+        add(f"blk.{i}.attn_norm.weight", (HIDDEN,))
+        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,))
+        for part, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            add(f"blk.{i}.attn_{part}.weight", (rows * head_dim, HIDDEN))
+            if arch == "qwen2":
+                add(f"blk.{i}.attn_{part}.bias", (rows * head_dim,))
+        add(f"blk.{i}.attn_output.weight", (HIDDEN, HIDDEN))
+        add(f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN))
+        add(f"blk.{i}.ffn_up.weight", (FFN, HIDDEN))
+        add(f"blk.{i}.ffn_down.weight", (HIDDEN, FFN))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def transformers_gguf(
+    path: Path, skeleton_config: Any = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Config and float32 tensors as transformers' own GGUF loader produces them.
+
+    The loader names tensors after a model skeleton; ``skeleton_config`` (default: transformers'
+    config parsed from the GGUF) saves one slow parse of a large file. A wrong layer count in it
+    would show up as missing or extra tensor names.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = skeleton_config or AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):  # only names are needed to map tensors; no weights allocated
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)
+    return parsed["config"], parsed["tensors"]
+
+
+def file_identity(path: Path) -> tuple[int, int]:
+    """(inode, mtime): changes when a file is rewritten, not when it is only read."""
+    info = path.stat()
+    return info.st_ino, info.st_mtime_ns
