@@ -106,6 +106,18 @@ def build_tiny_model(name: str, seed: int = 0) -> Any:
     return model.eval()
 
 
+def load_on_cpu(
+    model_dir: Path, attention_ops: AttentionOps, dtype: torch.dtype = torch.float32, **kwargs: Any
+) -> Any:
+    """Our model for the checkpoint in ``model_dir``, on the CPU with ``attention_ops``."""
+    from transformers import AutoConfig
+
+    from platform_core.models.loader import load_model
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return load_model(model_dir, config, dtype, torch.device("cpu"), attention_ops, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Factory: ``tiny_model_dir("llama")`` -> directory with config.json + model.safetensors."""
