@@ -1,4 +1,8 @@
-"""The OpenAI-compatible server driven by the real ``openai`` client on a loopback port."""
+"""The OpenAI-compatible server driven by the real ``openai`` client on a loopback port.
+
+Longer than our ~250-line norm on purpose: every check here shares one module-scoped server (and
+one offline ``LLM`` to compare with), and each further module would start another.
+"""
 
 from __future__ import annotations
 
