@@ -12,6 +12,8 @@ tests check every level the CPU runs against the reference).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -19,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +98,27 @@ def build_key(level: str) -> str:
     return digest.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir`` exclusively for one build or load.
+
+    torch's own lock file (``lock``) outlives a process killed mid-build, and every later build
+    in that folder then waits for it forever. The operating system drops a ``flock`` when its
+    holder dies, and every platform-core process takes this one first, so a ``lock`` file found
+    while holding it is stale and is removed.
+    """
+    with (build_dir / ".platform-core-build.lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load_kernels(level: str) -> KernelBuild:
     """Build (when no cached build matches) and load the kernels of ISA ``level`` once per
@@ -112,14 +136,15 @@ def load_kernels(level: str) -> KernelBuild:
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"{name}.so").exists():
             logger.info("compiling the CPU kernels (%s) once, into %s", level, build_dir)
-        cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / source) for source in SOURCES],
-            extra_cflags=_cflags(level),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(build_dir),
-            is_python_module=False,
-        )
+        with build_lock(build_dir):
+            cpp_extension.load(
+                name=name,
+                sources=[str(CSRC / source) for source in SOURCES],
+                extra_cflags=_cflags(level),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(build_dir),
+                is_python_module=False,
+            )
     except Exception as exc:  # any build or load failure means "use the fallback"
         lines = str(exc).strip().splitlines() or [""]
         # A build error's first line is the ninja command; the compiler's own error line says why.
