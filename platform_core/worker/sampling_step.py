@@ -7,7 +7,7 @@ import torch
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.sampler import ArgmaxFn, Sampler, compute_logprobs, row_argmax
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from platform_core.spec.verify import DraftGroup, verify
+from platform_core.speculative.verify import DraftGroup, verify
 from platform_core.worker.step_plan import StepPlan
 
 

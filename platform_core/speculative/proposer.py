@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from platform_core.config import EngineConfig
-from platform_core.spec.ngram import NgramProposer
+from platform_core.speculative.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from platform_core.kv_cache.manager import KVCacheManager
@@ -35,7 +35,7 @@ def build_proposer(
     if spec.speculative_method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
     if spec.speculative_method == "draft":
-        from platform_core.spec.draft_model import DraftModelProposer
+        from platform_core.speculative.draft_model import DraftModelProposer
 
         return DraftModelProposer(config, backend, dtype, vocab_size)
     return None
