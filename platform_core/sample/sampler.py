@@ -12,18 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sample.metadata import SamplingMetadata
 from platform_core.sample.processors import apply_allowed_bias_and_blocks, apply_penalties
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Raw log-probabilities at one position: the chosen token's, its rank, and the top ones."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from platform_core.sample.sampler import TokenLogprobs
+from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sampling_params import SamplingParams
 
 
