@@ -59,3 +59,19 @@ def test_scheduler_and_kv_cache_run_without_torch():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_kv_cache_does_not_import_the_scheduler():
+    code = textwrap.dedent(
+        """
+        import importlib, pkgutil, sys
+        import platform_core.kv_cache as package
+
+        for module in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            importlib.import_module(module.name)
+        print(sorted(m for m in sys.modules if m.startswith("platform_core.scheduler")))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

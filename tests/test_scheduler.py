@@ -72,8 +72,8 @@ def test_preemption_picks_most_recent_and_output_is_unchanged():
     for rid, prompt in prompts.items():
         assert requests[rid].output_token_ids == expected_output(prompt, 8)
         assert requests[rid].status == RequestStatus.FINISHED_LENGTH
-    s.kv.check_integrity()
-    assert s.kv.pool.num_free_blocks == 9
+    s.check_kv_integrity()
+    assert s.kv_stats().num_free_blocks == 9
 
 
 def test_waiting_requests_never_preempt():
@@ -95,7 +95,7 @@ def test_prefix_cache_hits_skip_computed_tokens():
     out, _ = run_step(s)
     item = out.scheduled[0]
     assert item.start_position == 16 and item.num_tokens == 2
-    assert s.kv.stats.hit_tokens == 16
+    assert s.kv_stats().prefix_hit_tokens == 16
 
 
 def test_request_waits_a_step_for_a_prefix_being_computed():
@@ -110,7 +110,7 @@ def test_request_waits_a_step_for_a_prefix_being_computed():
     out, _ = run_step(s)
     b = next(r for r in out.scheduled if r.request_id == "b")
     assert b.start_position == 16 and b.num_tokens == 2  # found cached instead of recomputed
-    assert s.kv.stats.hit_tokens == 16
+    assert s.kv_stats().prefix_hit_tokens == 16
     drain(s)
     assert request_b.output_token_ids == expected_output(shared + [200, 201], 2)
 
@@ -134,8 +134,8 @@ def test_abort_frees_blocks_in_any_state():
     aborted = s.abort(["running", "waiting", "unknown"])
     assert {r.request_id for r in aborted} == {"running", "waiting"}
     assert all(r.status == RequestStatus.FINISHED_ABORTED for r in aborted)
-    s.kv.check_integrity()
-    assert s.kv.pool.num_free_blocks == 16
+    s.check_kv_integrity()
+    assert s.kv_stats().num_free_blocks == 16
     assert s.num_unfinished == 0
 
 

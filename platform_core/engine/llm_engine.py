@@ -251,8 +251,7 @@ class LLMEngine:
         for sample in state.samples:
             if sample.index == index:
                 return sample
-        request = self.scheduler.requests.get(sample_id) or self.scheduler.new_forks[sample_id]
-        sample = self._sample_state(request, index)
+        sample = self._sample_state(self.scheduler.find_request(sample_id), index)
         state.samples.append(sample)
         state.samples.sort(key=lambda s: s.index)
         return sample
@@ -266,7 +265,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (e.g. between benchmark runs); only when idle."""
-        return self.scheduler.kv.pool.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop worker processes (if any); the engine is unusable afterwards."""
@@ -281,18 +280,18 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Engine counters: preemptions, prefix-cache tokens, KV blocks, steps."""
-        kv = self.scheduler.kv
+        kv = self.scheduler.kv_stats()
         s = self.scheduler.stats
         return {
             "num_steps": s.num_steps,
             "num_preemptions": s.num_preemptions,
             "num_scheduled_tokens": s.num_scheduled_tokens,
             "max_batch_size": s.max_batch_size,
-            "prefix_cache_queried_tokens": kv.stats.queried_tokens,
-            "prefix_cache_hit_tokens": kv.stats.hit_tokens,
-            "kv_blocks_total": kv.pool.num_blocks,
-            "kv_blocks_used": kv.pool.num_used_blocks,
-            "kv_blocks_free": kv.pool.num_free_blocks,
+            "prefix_cache_queried_tokens": kv.prefix_queried_tokens,
+            "prefix_cache_hit_tokens": kv.prefix_hit_tokens,
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
             "kv_block_size": kv.block_size,
             "spec_proposed_tokens": s.spec_proposed_tokens,
             "spec_accepted_tokens": s.spec_accepted_tokens,
@@ -301,6 +300,6 @@ class LLMEngine:
             # tokens produced per verification step: accepted drafts plus the target's own token
             "spec_mean_accepted_length": (s.spec_accepted_tokens + s.spec_verifications)
             / max(1, s.spec_verifications),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
         }

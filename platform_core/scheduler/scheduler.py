@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from platform_core.config import CacheConfig, SchedulerConfig
 from platform_core.errors import QueueFullError
-from platform_core.kv_cache.manager import KVCacheManager
+from platform_core.kv_cache.manager import KVCacheManager, KVCacheStats
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from platform_core.scheduler.request import Request, RequestStatus
 
@@ -59,8 +59,33 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
     def num_seats_taken(self) -> int:
         return sum(r.num_seats for r in self.running)
+
+    def find_request(self, request_id: str) -> Request | None:
+        """The unfinished request ``request_id``, or a fork child created by the last update
+        (which may have finished in it already)."""
+        return self.requests.get(request_id) or self.new_forks.get(request_id)
+
+    def kv_stats(self) -> KVCacheStats:
+        """The KV cache's block occupancy and prefix-cache counters."""
+        return self.kv.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
+
+    def check_kv_integrity(self) -> None:
+        """Raise ``BlockPoolError`` if the KV cache's bookkeeping is inconsistent."""
+        self.kv.check_integrity()
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (its id must be unused)."""
@@ -173,8 +198,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
-            self.kv.stats.queried_tokens += request.num_tokens
-            self.kv.stats.hit_tokens += num_cached_tokens
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, num_cached_tokens)
             request.status = RequestStatus.RUNNING
@@ -286,7 +310,7 @@ class Scheduler:
             )
             self.requests[child_id] = child
             self.new_forks[child_id] = child
-            copies = self.kv.fork(parent, child)
+            copies = self.kv.fork(parent, child_id)
             if copies is None:  # no block for the copy: recompute this sample later
                 child.num_computed_tokens = 0
                 child.status = RequestStatus.PREEMPTED
@@ -298,7 +322,7 @@ class Scheduler:
         return children
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+        self.kv.free(request.request_id)
         request.spec_token_ids, request.spec_draft_probs = [], None
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -308,7 +332,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
-        self.kv.forget(request)
+        self.kv.free(request.request_id)
+        self.kv.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
