@@ -24,6 +24,7 @@ from platform_core.executor.base import WorkerDiedError
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput
 from platform_core.scheduler.request import Request, RequestStatus
+from platform_core.worker.kv_tensors import KVCacheInfo
 
 logger = logging.getLogger("platform_core.engine")
 
@@ -266,6 +267,18 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (e.g. between benchmark runs); only when idle."""
         return self.scheduler.reset_prefix_cache()
+
+    def check_kv_integrity(self) -> None:
+        """Raise ``BlockPoolError`` if the KV blocks' bookkeeping is inconsistent (a bug)."""
+        self.scheduler.check_kv_integrity()
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        """The KV cache of the driver rank (rank 0, in this process) as allocated.
+
+        Under tensor parallelism every rank holds its own shard of this size; a draft model's
+        cache (same block ids) is not included.
+        """
+        return self.runner.kv_cache_info()
 
     def shutdown(self) -> None:
         """Stop worker processes (if any); the engine is unusable afterwards."""
