@@ -18,6 +18,7 @@ from platform_core.engine.isolation import execute_isolated
 from platform_core.engine.outputs import RequestMetrics, RequestOutput
 from platform_core.engine.sequence_state import RequestState, SampleState
 from platform_core.engine.setup import build_engine_parts
+from platform_core.engine.stats import engine_stats
 from platform_core.engine.validation import RequestLimits, validate_request
 from platform_core.errors import InvalidRequestError
 from platform_core.executor.base import WorkerDiedError
@@ -49,6 +50,7 @@ class LLMEngine:
         self.hf_config = parts.hf_config
         self.default_sampling = parts.default_sampling
         self.proposer = parts.proposer
+        self._no_drafts_at = self.config.speculative.speculative_disable_by_batch_size
         self.limits = RequestLimits(
             self.max_model_len,
             self.vocab_size,
@@ -168,7 +170,7 @@ class LLMEngine:
         self.scheduler.update(scheduler_output, runner_output)
         outputs += self._postprocess(runner_output)
         if self.proposer is not None:
-            self._propose_drafts()
+            self.scheduler.propose_drafts(self.proposer, self.max_model_len, self._no_drafts_at)
         return outputs
 
     def _fail(
@@ -193,22 +195,6 @@ class LLMEngine:
         for request_id in expired:
             outputs += self._fail(request_id, DEADLINE_EXCEEDED, RequestStatus.FINISHED_ABORTED)
         return outputs
-
-    def _propose_drafts(self) -> None:
-        """Draft tokens for every running request that is decoding (one token uncomputed)."""
-        decoding = [
-            r
-            for r in self.scheduler.running
-            if r.num_tokens - r.num_computed_tokens == 1 and not r.pending_fork_ids
-        ]
-        disable_at = self.config.speculative.speculative_disable_by_batch_size
-        if disable_at is not None and len(decoding) >= disable_at:
-            return  # batched decode is not latency-bound: drafts would cost more than they save
-        limits = [
-            min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
-            for r in decoding
-        ]
-        self.proposer.propose(decoding, limits, self.scheduler.kv)
 
     def _postprocess(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
@@ -290,29 +276,6 @@ class LLMEngine:
         for sample_id in state.sample_ids:
             self._samples.pop(sample_id, None)
 
-    # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Engine counters: preemptions, prefix-cache tokens, KV blocks, steps."""
-        kv = self.scheduler.kv_stats()
-        s = self.scheduler.stats
-        return {
-            "num_steps": s.num_steps,
-            "num_preemptions": s.num_preemptions,
-            "num_scheduled_tokens": s.num_scheduled_tokens,
-            "max_batch_size": s.max_batch_size,
-            "prefix_cache_queried_tokens": kv.prefix_queried_tokens,
-            "prefix_cache_hit_tokens": kv.prefix_hit_tokens,
-            "kv_blocks_total": kv.num_blocks,
-            "kv_blocks_used": kv.num_used_blocks,
-            "kv_blocks_free": kv.num_free_blocks,
-            "kv_block_size": kv.block_size,
-            "spec_proposed_tokens": s.spec_proposed_tokens,
-            "spec_accepted_tokens": s.spec_accepted_tokens,
-            "spec_verifications": s.spec_verifications,
-            "spec_acceptance_rate": s.spec_accepted_tokens / max(1, s.spec_proposed_tokens),
-            # tokens produced per verification step: accepted drafts plus the target's own token
-            "spec_mean_accepted_length": (s.spec_accepted_tokens + s.spec_verifications)
-            / max(1, s.spec_verifications),
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-        }
+        return engine_stats(self.scheduler)
