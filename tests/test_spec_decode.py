@@ -60,7 +60,12 @@ def test_greedy_outputs_are_unchanged(tiny_model_dir, arch):
 
 
 def _rows(params: SamplingParams, count: int) -> list[SampleRow]:
-    return [SampleRow(f"r{i}", params, [], []) for i in range(count)]
+    return [
+        SampleRow(
+            request_id=f"r{i}", sampling_params=params, prompt_token_ids=[], output_token_ids=[]
+        )
+        for i in range(count)
+    ]
 
 
 @pytest.mark.parametrize("draft_kind", ["point", "distribution"])

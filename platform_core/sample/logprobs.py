@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class TokenLogprobs:
     """Raw log-probabilities at one position: the chosen token's, its rank, and the top ones."""
 

@@ -22,18 +22,17 @@ def describe_request(request: Request, num_new: int, kv: KVCacheManager) -> Sche
     token_ids = request.token_ids_slice(start, end)
     forks = request.pending_fork_ids
     first_block, new_block_ids = kv.unsent_block_ids(request.request_id)
-    # Positional arguments (in field order): this runs for every request in every step.
     return ScheduledRequest(
-        request.request_id,
-        token_ids + drafts if drafts else token_ids,
-        start,
-        new_block_ids,
-        sample,
-        request.sampling_params,
-        output_token_ids,
-        prompt_token_ids,
-        list(forks) if sample and forks else [],
-        len(drafts),
-        draft_probs,
-        first_block,
+        request_id=request.request_id,
+        token_ids=token_ids + drafts if drafts else token_ids,
+        start_position=start,
+        block_ids=new_block_ids,
+        sample=sample,
+        sampling_params=request.sampling_params,
+        output_token_ids=output_token_ids,
+        prompt_token_ids=prompt_token_ids,
+        fork_ids=list(forks) if sample and forks else [],
+        num_draft_tokens=len(drafts),
+        draft_probs=draft_probs,
+        first_block=first_block,
     )

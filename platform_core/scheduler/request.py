@@ -45,7 +45,7 @@ _FINISHED_VALUES = frozenset(
 )
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, kw_only=True)
 class Request:
     """A sequence being generated.
 

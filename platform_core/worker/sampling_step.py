@@ -80,7 +80,14 @@ class StepSampler:
                 groups.append(DraftGroup(len(rows), drafts, request.draft_probs))
                 for i in range(len(drafts) + 1):
                     before = history if not i else history + drafts[:i]
-                    rows.append(SampleRow(request_id, params, request.prompt_token_ids, before))
+                    rows.append(
+                        SampleRow(
+                            request_id=request_id,
+                            sampling_params=params,
+                            prompt_token_ids=request.prompt_token_ids,
+                            output_token_ids=before,
+                        )
+                    )
                     logits_rows.append(position + i)
             position += len(drafts) + 1
         if len(rows) != logits.shape[0]:
