@@ -8,6 +8,10 @@ Each step:
    claiming its cached prefix and a chunk of its prompt. Waiting requests never preempt. A
    request whose prompt is mostly blocks that this step is computing for another request waits
    one step: it then finds them cached instead of computing them again.
+
+Forking the samples of an ``n > 1`` request (``forks``), speculative drafts (``drafts``), the
+message for each scheduled request (``describe``) and the counters (``stats``) have their own
+modules.
 """
 
 from __future__ import annotations
