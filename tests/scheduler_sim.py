@@ -26,9 +26,9 @@ def make_scheduler(
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 4, n: int = 1) -> Request:
     return Request(
-        request_id,
-        list(prompt),
-        SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n),
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n),
         max_tokens=max_tokens,
         pending_fork_ids=[f"{request_id}#{i}" for i in range(1, n)],
     )
@@ -55,5 +55,5 @@ def run_step(
             token = fake_token(request.all_token_ids)
             for index, sample_id in enumerate([item.request_id, *item.fork_ids]):
                 sampled[sample_id] = [token + index]
-    finished = scheduler.update(output, ModelRunnerOutput(sampled))
+    finished = scheduler.update(output, ModelRunnerOutput(sampled=sampled))
     return output, finished

@@ -101,7 +101,7 @@ def test_leaving_the_stream_early_aborts_and_frees_blocks(engine):
     first = asyncio.run(run())
     assert not first.finished
     wait_for(lambda: engine_idle(engine), 10, "an abandoned request kept its blocks")
-    engine.engine.scheduler.kv.check_integrity()
+    engine.engine.check_kv_integrity()
 
 
 def test_cancelling_the_consumer_aborts(engine):
@@ -122,7 +122,7 @@ def test_cancelling_the_consumer_aborts(engine):
 
     asyncio.run(run())
     wait_for(lambda: engine_idle(engine), 10, "a cancelled request kept its blocks")
-    engine.engine.scheduler.kv.check_integrity()
+    engine.engine.check_kv_integrity()
 
 
 def test_a_failing_step_errors_every_request_and_stops_the_engine(model_dir):

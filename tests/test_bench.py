@@ -190,7 +190,7 @@ def test_kv_waste_counts_shared_blocks_once():
     scheduler.add_request(make_request("b", prompt[:8] + [90, 91], max_tokens=8))
     run_step(scheduler)  # a: 11 computed; b: reuses a's two full blocks, computes 2 more
     sample = sample_kv(scheduler)
-    assert scheduler.kv.pool.num_used_blocks == 4
+    assert scheduler.kv_stats().num_used_blocks == 4
     assert (sample.allocated_slots, sample.live_tokens) == (16, 4 + 4 + 3 + 2)
     assert sample.waste == pytest.approx(3 / 16)
     tracker = KVWasteTracker()

@@ -51,7 +51,7 @@ def _run(case, dtype: str):
         [{"prompt_token_ids": p} for p in case["prompts"]], params, use_tqdm=False
     )
     assert llm.stats()["prefix_cache_hit_tokens"] > 0
-    llm.engine.scheduler.kv.check_integrity()
+    llm.check_kv_integrity()
     return llm, [o.outputs[0] for o in outputs]
 
 

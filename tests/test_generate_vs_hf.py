@@ -56,7 +56,7 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def assert_all_freed(llm: LLM) -> None:
-    llm.engine.scheduler.kv.check_integrity()
+    llm.check_kv_integrity()
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

@@ -69,19 +69,29 @@ def test_blocks_given_back_by_a_trim_are_sent_again():
 
 def _item(request_id, first_block, block_ids, start=0):
     return ScheduledRequest(
-        request_id, [1], start, block_ids, True, SamplingParams(), first_block=first_block
+        request_id=request_id,
+        token_ids=[1],
+        start_position=start,
+        block_ids=block_ids,
+        sample=True,
+        sampling_params=SamplingParams(),
+        first_block=first_block,
     )
 
 
 def test_a_step_adds_to_the_kept_table_and_rows_are_reused():
     builder = InputBuilder(4, torch.device("cpu"))
-    host = builder.build_host(SchedulerOutput([_item("a", 0, [5, 6]), _item("b", 0, [9])]))
+    host = builder.build_host(
+        SchedulerOutput(scheduled=[_item("a", 0, [5, 6]), _item("b", 0, [9])])
+    )
     assert host.block_tables.tolist() == [[5, 6], [9, 0]]
-    host = builder.build_host(SchedulerOutput([_item("a", 2, [7], start=8), _item("b", 1, [])]))
+    host = builder.build_host(
+        SchedulerOutput(scheduled=[_item("a", 2, [7], start=8), _item("b", 1, [])])
+    )
     assert host.block_tables.tolist() == [[5, 6, 7], [9, 0, 0]]
     assert host.slot_mapping.tolist() == [7 * 4, 9 * 4]
     # "a" finishes; "c" takes its row and must not see a's blocks.
-    host = builder.build_host(SchedulerOutput([_item("c", 0, [3])], finished_ids=["a"]))
+    host = builder.build_host(SchedulerOutput(scheduled=[_item("c", 0, [3])], finished_ids=["a"]))
     assert host.block_tables.tolist() == [[3]]
     assert builder.num_tables == 2
 
@@ -89,14 +99,14 @@ def test_a_step_adds_to_the_kept_table_and_rows_are_reused():
 def test_blocks_past_the_first_for_an_unknown_request_are_an_error():
     builder = InputBuilder(4, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="holds no block table"):
-        builder.build_host(SchedulerOutput([_item("a", 3, [1])]))
+        builder.build_host(SchedulerOutput(scheduled=[_item("a", 3, [1])]))
 
 
 def test_wide_tables_grow():
     builder = InputBuilder(1, torch.device("cpu"))
     blocks = list(range(100, 140))
-    host = builder.build_host(SchedulerOutput([_item("a", 0, blocks, start=39)]))
+    host = builder.build_host(SchedulerOutput(scheduled=[_item("a", 0, blocks, start=39)]))
     assert np.array_equal(host.block_tables[0], blocks)
     many = [_item(f"r{i}", 0, [i]) for i in range(20)]  # more rows than the first allocation
-    host = builder.build_host(SchedulerOutput(many))
+    host = builder.build_host(SchedulerOutput(scheduled=many))
     assert host.block_tables[:, 0].tolist() == list(range(20))

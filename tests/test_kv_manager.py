@@ -1,13 +1,27 @@
 """KV manager: slot allocation as sequences grow, prefix hashing and sharing, freeing."""
 
+from dataclasses import dataclass
+
 from platform_core.kv_cache.hashing import extend_block_hashes, hash_block
 from platform_core.kv_cache.manager import KVCacheManager
-from platform_core.sampling_params import SamplingParams
-from platform_core.scheduler.request import Request
 
 
-def make_request(request_id: str, tokens: list[int], salt: str | None = None) -> Request:
-    return Request(request_id, list(tokens), SamplingParams(), cache_salt=salt)
+@dataclass
+class Sequence:
+    """A token sequence as the manager sees one: no scheduler involved."""
+
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None = None
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def make_request(request_id: str, tokens: list[int], salt: str | None = None) -> Sequence:
+    return Sequence(request_id, list(tokens), salt)
 
 
 def test_chained_hash_depends_on_whole_prefix():
@@ -31,7 +45,7 @@ def test_allocation_grows_by_blocks():
     assert kv.allocate_slots(req, 1)
     assert len(kv.block_ids("r")) == 4
     kv.check_integrity()
-    kv.free(req)
+    kv.free(req.request_id)
     assert kv.pool.num_free_blocks == 10
 
 
@@ -60,8 +74,8 @@ def test_prefix_is_shared_and_last_token_always_recomputed():
     assert kv.block_ids("c")[:2] == kv.block_ids("a")
     assert kv.pool.ref_counts[hits[0]] == 2
     kv.check_integrity()
-    kv.free(first)
-    kv.free(longer)
+    kv.free(first.request_id)
+    kv.free(longer.request_id)
     kv.check_integrity()
     assert kv.pool.num_free_blocks == 10
 
@@ -72,7 +86,7 @@ def test_freed_blocks_stay_cached_until_reused():
     assert kv.allocate_slots(a, 5)
     a.num_computed_tokens = 5
     kv.cache_computed_blocks(a)
-    kv.free(a)
+    kv.free(a.request_id)
     again = make_request("a2", [1, 2, 3, 4, 5])
     assert len(kv.find_cached_prefix(again)) == 2
 
@@ -93,7 +107,7 @@ def test_claiming_free_cached_blocks_counts_against_free_space():
     assert kv.allocate_slots(a, 5)
     a.num_computed_tokens = 5
     kv.cache_computed_blocks(a)
-    kv.free(a)
+    kv.free(a.request_id)
     b = make_request("b", [1, 2, 3, 4, 9, 9, 9, 9])
     hits = kv.find_cached_prefix(b)
     assert len(hits) == 2
@@ -109,11 +123,39 @@ def test_reset_prefix_cache_only_when_idle():
     assert kv.allocate_slots(a, 5)
     a.num_computed_tokens = 5
     kv.cache_computed_blocks(a)
-    assert not kv.pool.reset_prefix_cache()  # blocks are held
-    kv.free(a)
-    assert kv.pool.reset_prefix_cache()
+    assert not kv.reset_prefix_cache()  # blocks are held
+    kv.free(a.request_id)
+    assert kv.reset_prefix_cache()
     assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5])) == []
     kv.check_integrity()
+
+
+def test_stats_report_blocks_and_the_lookups_recorded():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(a, 5)
+    kv.record_prefix_lookup(5, 0)
+    kv.record_prefix_lookup(7, 4)
+    stats = kv.stats()
+    assert (stats.num_blocks, stats.num_used_blocks, stats.num_free_blocks) == (6, 3, 3)
+    assert stats.block_size == 2
+    assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (12, 4)
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    kv = KVCacheManager(num_blocks=6, block_size=2)
+    parent = make_request("p", [1, 2, 3, 4, 5])
+    assert kv.allocate_slots(parent, 5)
+    parent.num_computed_tokens = 5
+    copies = kv.fork(parent, "p#1")
+    parent_blocks, child_blocks = kv.block_ids("p"), kv.block_ids("p#1")
+    assert child_blocks[:2] == parent_blocks[:2]
+    assert copies == [(parent_blocks[2], child_blocks[2])]
+    assert child_blocks[2] not in parent_blocks
+    kv.check_integrity()
+    kv.free("p#1")
+    kv.free("p")
+    assert kv.stats().num_free_blocks == 6
 
 
 def test_host_kv_tensors_read_as_zeros_and_are_writable():

@@ -34,7 +34,7 @@ def run_all(engine) -> dict[str, object]:
 
 
 def assert_clean(llm: LLM) -> None:
-    llm.engine.scheduler.kv.check_integrity()
+    llm.check_kv_integrity()
     assert llm.stats()["kv_blocks_used"] == 0
     assert not llm.engine.has_unfinished_requests()
 

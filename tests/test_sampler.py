@@ -19,10 +19,10 @@ EOS = 7
 def meta_for(params, outputs=None, prompts=None, ids=None):
     rows = [
         SampleRow(
-            ids[i] if ids else f"r{i}",
-            p,
-            (prompts or [[]] * len(params))[i],
-            (outputs or [[]] * len(params))[i],
+            request_id=ids[i] if ids else f"r{i}",
+            sampling_params=p,
+            prompt_token_ids=(prompts or [[]] * len(params))[i],
+            output_token_ids=(outputs or [[]] * len(params))[i],
         )
         for i, p in enumerate(params)
     ]

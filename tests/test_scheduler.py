@@ -2,6 +2,7 @@
 
 from scheduler_sim import fake_token, make_request, make_scheduler, run_step
 
+from platform_core.scheduler.output import ModelRunnerOutput
 from platform_core.scheduler.request import RequestStatus
 
 
@@ -72,8 +73,8 @@ def test_preemption_picks_most_recent_and_output_is_unchanged():
     for rid, prompt in prompts.items():
         assert requests[rid].output_token_ids == expected_output(prompt, 8)
         assert requests[rid].status == RequestStatus.FINISHED_LENGTH
-    s.kv.check_integrity()
-    assert s.kv.pool.num_free_blocks == 9
+    s.check_kv_integrity()
+    assert s.kv_stats().num_free_blocks == 9
 
 
 def test_waiting_requests_never_preempt():
@@ -95,7 +96,7 @@ def test_prefix_cache_hits_skip_computed_tokens():
     out, _ = run_step(s)
     item = out.scheduled[0]
     assert item.start_position == 16 and item.num_tokens == 2
-    assert s.kv.stats.hit_tokens == 16
+    assert s.kv_stats().prefix_hit_tokens == 16
 
 
 def test_request_waits_a_step_for_a_prefix_being_computed():
@@ -110,7 +111,7 @@ def test_request_waits_a_step_for_a_prefix_being_computed():
     out, _ = run_step(s)
     b = next(r for r in out.scheduled if r.request_id == "b")
     assert b.start_position == 16 and b.num_tokens == 2  # found cached instead of recomputed
-    assert s.kv.stats.hit_tokens == 16
+    assert s.kv_stats().prefix_hit_tokens == 16
     drain(s)
     assert request_b.output_token_ids == expected_output(shared + [200, 201], 2)
 
@@ -134,8 +135,8 @@ def test_abort_frees_blocks_in_any_state():
     aborted = s.abort(["running", "waiting", "unknown"])
     assert {r.request_id for r in aborted} == {"running", "waiting"}
     assert all(r.status == RequestStatus.FINISHED_ABORTED for r in aborted)
-    s.kv.check_integrity()
-    assert s.kv.pool.num_free_blocks == 16
+    s.check_kv_integrity()
+    assert s.kv_stats().num_free_blocks == 16
     assert s.num_unfinished == 0
 
 
@@ -148,3 +149,62 @@ def test_duplicate_request_id_is_refused():
         assert "already in use" in str(exc)
     else:
         raise AssertionError("duplicate id accepted")
+
+
+def test_a_fork_without_a_block_for_its_copy_waits_and_ends_the_same():
+    prompt = list(range(6))  # one full 4-token block and a partial one
+    finals = {}
+    for num_blocks in (16, 3):  # room for every copy; room for one copy only
+        s = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=64)
+        s.add_request(make_request("a", prompt, max_tokens=3, n=3))
+        out, _ = run_step(s)
+        assert out.scheduled[0].fork_ids == ["a#1", "a#2"]
+        children = [s.requests["a#1"], s.requests["a#2"]]
+        if num_blocks == 3:
+            assert [c.status for c in children] == [RequestStatus.RUNNING, RequestStatus.PREEMPTED]
+            assert children[1].num_computed_tokens == 0
+        else:
+            assert all(c.status == RequestStatus.RUNNING for c in children)
+        requests = [s.requests["a"], *children]
+        drain(s)
+        s.check_kv_integrity()
+        assert s.kv_stats().num_free_blocks == num_blocks
+        finals[num_blocks] = [r.output_token_ids for r in requests]
+    first = fake_token(prompt)
+    assert [tokens[0] for tokens in finals[16]] == [first, first + 1, first + 2]
+    assert finals[3] == finals[16]
+
+
+def test_drafts_ride_one_step_and_the_rejected_ones_are_rolled_back():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=64)
+    request = make_request("a", list(range(8)), max_tokens=8)
+    s.add_request(request)
+    run_step(s)  # the prompt, then one sampled token: 9 known, 8 computed
+    request.spec_token_ids = [50, 51, 52, 53]
+    out = s.schedule()
+    [item] = out.scheduled
+    assert item.num_tokens == 5 and item.draft_token_ids == [50, 51, 52, 53]
+    assert request.spec_token_ids == []  # drafts go out with one step only
+    assert len(s.kv.block_ids("a")) == 4  # room for 13 tokens
+    # The target accepts the first draft, rejects the second and samples 77 instead.
+    s.update(out, ModelRunnerOutput(sampled={"a": [50, 77]}))
+    assert request.output_token_ids[1:] == [50, 77]
+    assert request.num_computed_tokens == 10  # the three rejected drafts' K/V do not count
+    assert len(s.kv.block_ids("a")) == 3  # the block only the rejected drafts used is freed
+    stats = s.stats
+    assert (stats.spec_verifications, stats.spec_proposed_tokens) == (1, 4)
+    assert stats.spec_accepted_tokens == 1 and stats.spec_mean_accepted_length == 2.0
+    s.check_kv_integrity()
+
+
+def test_drafts_are_cut_to_the_budget_and_dropped_for_a_prefill():
+    s = make_scheduler(block_size=4, max_num_batched_tokens=3)
+    request = make_request("a", list(range(5)), max_tokens=8)
+    s.add_request(request)
+    run_step(s)  # a 3-token chunk of the prompt
+    request.spec_token_ids = [7, 7]
+    out, _ = run_step(s)  # the rest of the prompt: drafts never follow a prefill chunk
+    assert out.scheduled[0].num_tokens == 2 and out.scheduled[0].num_draft_tokens == 0
+    request.spec_token_ids = [50, 51, 52, 53]
+    [item] = s.schedule().scheduled
+    assert item.num_draft_tokens == 2 and item.num_tokens == 3  # one token and two drafts

@@ -47,14 +47,14 @@ def test_random_workloads_keep_invariants(
         else:
             for _ in range(action[1]):
                 check_step(s, budget, max_num_seqs)
-        s.kv.check_integrity()
+        s.check_kv_integrity()
     for _ in range(10_000):
         if not s.num_unfinished:
             break
         check_step(s, budget, max_num_seqs)
-        s.kv.check_integrity()
+        s.check_kv_integrity()
     assert s.num_unfinished == 0, "requests left unfinished: the scheduler stalled"
-    assert s.kv.pool.num_free_blocks == num_blocks
+    assert s.kv_stats().num_free_blocks == num_blocks
 
 
 def check_step(s, budget, max_num_seqs):

@@ -98,7 +98,7 @@ def test_a_client_leaving_mid_stream_aborts_and_frees_blocks(base_url, engine, s
         assert engine.stats()["kv_blocks_used"] > 0
     wait_for(lambda: engine_idle(engine), 10, "the abandoned stream kept its KV blocks")
     assert [r for r in slow_engine if r.startswith("cmpl-")], "the request was not aborted"
-    engine.engine.scheduler.kv.check_integrity()
+    engine.engine.check_kv_integrity()
 
 
 def test_a_client_leaving_before_a_whole_response_aborts_it(base_url, engine, slow_engine):
@@ -107,6 +107,6 @@ def test_a_client_leaving_before_a_whole_response_aborts_it(base_url, engine, sl
         httpx.post(base_url + "/v1/completions", json=body, timeout=0.5)
     wait_for(lambda: engine_idle(engine), 10, "the abandoned request kept its KV blocks")
     assert [r for r in slow_engine if r.startswith("cmpl-")], "the request was not aborted"
-    engine.engine.scheduler.kv.check_integrity()
+    engine.engine.check_kv_integrity()
     ok = httpx.post(base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert ok.status_code == 200

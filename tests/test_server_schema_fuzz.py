@@ -57,7 +57,7 @@ def test_the_engine_is_intact_after_fuzzing(engine):
     # Both accepted and rejected inputs were generated, not only one kind.
     assert STATUSES[200] > 0 and STATUSES[400] > 0, STATUSES
     wait_for(lambda: engine_idle(engine), 30, f"the fuzzed requests leaked: {engine.stats()}")
-    engine.engine.scheduler.kv.check_integrity()
+    engine.engine.check_kv_integrity()
     assert engine.is_running
     print(f"\nfuzzed inputs per operation: {dict(CALLS)} (total {sum(CALLS.values())})")
     print(f"responses by status: {dict(sorted(STATUSES.items()))}")

@@ -72,7 +72,7 @@ def load_client(base_url: str, connections: int) -> httpx.AsyncClient:
 def assert_no_leak(engine: AsyncEngine) -> None:
     """Every request gone and every block back; the pool's bookkeeping is consistent."""
     wait_for(lambda: engine_idle(engine), 30, f"blocks or requests leaked: {engine.stats()}")
-    engine.engine.scheduler.kv.check_integrity()
+    engine.engine.check_kv_integrity()
 
 
 @pytest.fixture(scope="module")

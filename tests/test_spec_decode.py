@@ -10,8 +10,8 @@ import torch
 from platform_core import LLM, SamplingParams
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.sampler import Sampler
-from platform_core.spec.ngram import NgramProposer
-from platform_core.spec.verify import DraftGroup, verify
+from platform_core.speculative.ngram import NgramProposer
+from platform_core.speculative.verify import DraftGroup, verify
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
@@ -55,12 +55,17 @@ def test_greedy_outputs_are_unchanged(tiny_model_dir, arch):
     n_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
     forked = spec.generate(prompts[0], n_params, use_tqdm=False)[0]
     assert [o.token_ids for o in forked.outputs] == [expected[0], expected[0]]
-    spec.engine.scheduler.kv.check_integrity()
+    spec.check_kv_integrity()
     assert spec.stats()["kv_blocks_used"] == 0
 
 
 def _rows(params: SamplingParams, count: int) -> list[SampleRow]:
-    return [SampleRow(f"r{i}", params, [], []) for i in range(count)]
+    return [
+        SampleRow(
+            request_id=f"r{i}", sampling_params=params, prompt_token_ids=[], output_token_ids=[]
+        )
+        for i in range(count)
+    ]
 
 
 @pytest.mark.parametrize("draft_kind", ["point", "distribution"])
@@ -104,7 +109,7 @@ def test_sampling_with_speculation_runs_and_frees_everything(tiny_model_dir):
     first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     again = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert first == again and len(first) == 30
-    llm.engine.scheduler.kv.check_integrity()
+    llm.check_kv_integrity()
     assert llm.stats()["kv_blocks_used"] == 0
 
 
@@ -142,7 +147,7 @@ def test_draft_model_greedy_is_lossless_and_a_perfect_draft_is_always_accepted(t
     assert got == expected
     assert other.stats()["spec_acceptance_rate"] < 1.0
     for llm in (same, other):
-        llm.engine.scheduler.kv.check_integrity()
+        llm.check_kv_integrity()
         assert llm.stats()["kv_blocks_used"] == 0
 
 

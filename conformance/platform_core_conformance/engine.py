@@ -57,14 +57,14 @@ def generate_greedy(
 
 def assert_all_freed(llm: LLM) -> None:
     """After every request finished, no KV block may still be in use."""
-    llm.engine.scheduler.kv.check_integrity()
+    llm.check_kv_integrity()
     stats = llm.stats()
     assert stats["kv_blocks_used"] == 0, f"{stats['kv_blocks_used']} KV blocks still in use"
 
 
 def kv_cache_bytes(llm: LLM) -> int:
     """Bytes of the KV-cache tensors the engine allocated in the backend's layout."""
-    return sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
+    return llm.kv_cache_info().allocated_bytes
 
 
 def live_tensor_bytes(device: torch.device) -> int:

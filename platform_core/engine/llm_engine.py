@@ -18,12 +18,14 @@ from platform_core.engine.isolation import execute_isolated
 from platform_core.engine.outputs import RequestMetrics, RequestOutput
 from platform_core.engine.sequence_state import RequestState, SampleState
 from platform_core.engine.setup import build_engine_parts
+from platform_core.engine.stats import engine_stats
 from platform_core.engine.validation import RequestLimits, validate_request
 from platform_core.errors import InvalidRequestError
 from platform_core.executor.base import WorkerDiedError
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput
 from platform_core.scheduler.request import Request, RequestStatus
+from platform_core.worker.kv_tensors import KVCacheInfo
 
 logger = logging.getLogger("platform_core.engine")
 
@@ -48,6 +50,7 @@ class LLMEngine:
         self.hf_config = parts.hf_config
         self.default_sampling = parts.default_sampling
         self.proposer = parts.proposer
+        self._no_drafts_at = self.config.speculative.speculative_disable_by_batch_size
         self.limits = RequestLimits(
             self.max_model_len,
             self.vocab_size,
@@ -167,7 +170,7 @@ class LLMEngine:
         self.scheduler.update(scheduler_output, runner_output)
         outputs += self._postprocess(runner_output)
         if self.proposer is not None:
-            self._propose_drafts()
+            self.scheduler.propose_drafts(self.proposer, self.max_model_len, self._no_drafts_at)
         return outputs
 
     def _fail(
@@ -192,22 +195,6 @@ class LLMEngine:
         for request_id in expired:
             outputs += self._fail(request_id, DEADLINE_EXCEEDED, RequestStatus.FINISHED_ABORTED)
         return outputs
-
-    def _propose_drafts(self) -> None:
-        """Draft tokens for every running request that is decoding (one token uncomputed)."""
-        decoding = [
-            r
-            for r in self.scheduler.running
-            if r.num_tokens - r.num_computed_tokens == 1 and not r.pending_fork_ids
-        ]
-        disable_at = self.config.speculative.speculative_disable_by_batch_size
-        if disable_at is not None and len(decoding) >= disable_at:
-            return  # batched decode is not latency-bound: drafts would cost more than they save
-        limits = [
-            min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
-            for r in decoding
-        ]
-        self.proposer.propose(decoding, limits, self.scheduler.kv)
 
     def _postprocess(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
@@ -251,8 +238,7 @@ class LLMEngine:
         for sample in state.samples:
             if sample.index == index:
                 return sample
-        request = self.scheduler.requests.get(sample_id) or self.scheduler.new_forks[sample_id]
-        sample = self._sample_state(request, index)
+        sample = self._sample_state(self.scheduler.find_request(sample_id), index)
         state.samples.append(sample)
         state.samples.sort(key=lambda s: s.index)
         return sample
@@ -266,7 +252,19 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (e.g. between benchmark runs); only when idle."""
-        return self.scheduler.kv.pool.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
+
+    def check_kv_integrity(self) -> None:
+        """Raise ``BlockPoolError`` if the KV blocks' bookkeeping is inconsistent (a bug)."""
+        self.scheduler.check_kv_integrity()
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        """The KV cache of the driver rank (rank 0, in this process) as allocated.
+
+        Under tensor parallelism every rank holds its own shard of this size; a draft model's
+        cache (same block ids) is not included.
+        """
+        return self.runner.kv_cache_info()
 
     def shutdown(self) -> None:
         """Stop worker processes (if any); the engine is unusable afterwards."""
@@ -278,29 +276,6 @@ class LLMEngine:
         for sample_id in state.sample_ids:
             self._samples.pop(sample_id, None)
 
-    # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Engine counters: preemptions, prefix-cache tokens, KV blocks, steps."""
-        kv = self.scheduler.kv
-        s = self.scheduler.stats
-        return {
-            "num_steps": s.num_steps,
-            "num_preemptions": s.num_preemptions,
-            "num_scheduled_tokens": s.num_scheduled_tokens,
-            "max_batch_size": s.max_batch_size,
-            "prefix_cache_queried_tokens": kv.stats.queried_tokens,
-            "prefix_cache_hit_tokens": kv.stats.hit_tokens,
-            "kv_blocks_total": kv.pool.num_blocks,
-            "kv_blocks_used": kv.pool.num_used_blocks,
-            "kv_blocks_free": kv.pool.num_free_blocks,
-            "kv_block_size": kv.block_size,
-            "spec_proposed_tokens": s.spec_proposed_tokens,
-            "spec_accepted_tokens": s.spec_accepted_tokens,
-            "spec_verifications": s.spec_verifications,
-            "spec_acceptance_rate": s.spec_accepted_tokens / max(1, s.spec_proposed_tokens),
-            # tokens produced per verification step: accepted drafts plus the target's own token
-            "spec_mean_accepted_length": (s.spec_accepted_tokens + s.spec_verifications)
-            / max(1, s.spec_verifications),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-        }
+        return engine_stats(self.scheduler)

@@ -17,7 +17,7 @@ from platform_core.engine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from platform_core.sample.sampler import TokenLogprobs
+from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.request import Request
 

@@ -18,7 +18,7 @@ from platform_core.executor.factory import make_executor
 from platform_core.plugins.interfaces import Backend
 from platform_core.plugins.manager import PluginManager
 from platform_core.scheduler.scheduler import Scheduler
-from platform_core.spec.proposer import Proposer, build_proposer
+from platform_core.speculative.proposer import Proposer, build_proposer
 from platform_core.worker.model_runner import KVCachePlan, ModelRunner
 
 logger = logging.getLogger("platform_core.engine")

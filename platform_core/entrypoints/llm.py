@@ -13,6 +13,7 @@ from platform_core.engine.outputs import RequestOutput
 from platform_core.entrypoints.chat_template import Message, render_chat
 from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
+from platform_core.worker.kv_tensors import KVCacheInfo
 
 PromptType = str | dict[str, Any]
 
@@ -144,6 +145,14 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache; False (nothing done) while requests hold blocks."""
         return self.engine.reset_prefix_cache()
+
+    def check_kv_integrity(self) -> None:
+        """Raise ``BlockPoolError`` if the KV blocks' bookkeeping is inconsistent (a bug)."""
+        self.engine.check_kv_integrity()
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        """The KV cache as allocated (the driver rank's, see ``LLMEngine.kv_cache_info``)."""
+        return self.engine.kv_cache_info()
 
     def shutdown(self) -> None:
         """Release worker processes; needed only with tensor parallelism."""

@@ -1,24 +1,48 @@
 """Per-request block tables on top of the block pool, with automatic prefix caching.
 
 Ownership: the manager owns each request's block list and its block hashes; requests never hold
-block ids themselves. Every allocation either succeeds whole or changes nothing.
+block ids themselves. Every allocation either succeeds whole or changes nothing. The manager knows
+sequences only through ``TokenSequence`` (the scheduler's ``Request`` is one) and request ids.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from platform_core.kv_cache.block_pool import BlockPool, BlockPoolError
 from platform_core.kv_cache.hashing import extend_block_hashes
-from platform_core.scheduler.request import Request
 
 
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Counters of prefix-cache lookups at admission, in tokens (the scheduler updates them)."""
+class TokenSequence(Protocol):
+    """What the manager reads of a sequence: its id, its tokens and how many are computed."""
 
-    queried_tokens: int = 0
-    hit_tokens: int = 0
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """The pool's occupancy now and the prefix-cache lookups at admission so far (in tokens)."""
+
+    num_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    block_size: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
 
 
 class KVCacheManager:
@@ -28,7 +52,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.stats = PrefixCacheStats()
+        self._queried_tokens = 0
+        self._hit_tokens = 0
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -56,7 +81,7 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, request: TokenSequence) -> list[int]:
         """Blocks already holding a prefix of the request's tokens (not yet claimed).
 
         At most ``num_tokens - 1`` tokens are matched: the last token must be computed so that
@@ -75,7 +100,7 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None
+        self, request: TokenSequence, num_new_tokens: int, cached_blocks: list[int] | None = None
     ) -> bool:
         """Make room for ``num_new_tokens`` more tokens; claim ``cached_blocks`` first.
 
@@ -103,8 +128,8 @@ class KVCacheManager:
             self._num_cached_blocks[request.request_id] = len(blocks) - max(num_new_blocks, 0)
         return True
 
-    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
-        """Give ``child`` the parent's computed KV: full blocks shared, the partial one copied.
+    def fork(self, parent: TokenSequence, child_id: str) -> list[tuple[int, int]] | None:
+        """Give ``child_id`` the parent's computed KV: full blocks shared, the partial one copied.
 
         Returns the ``(src, dst)`` block copies to perform before the next forward pass (empty
         when the parent ends on a block boundary), or ``None``, changing nothing, when no block
@@ -122,13 +147,13 @@ class KVCacheManager:
             [new_block] = self.pool.allocate(1)
             child_blocks.append(new_block)
             copies.append((blocks[num_full], new_block))
-        self._blocks[child.request_id] = child_blocks
-        self._num_cached_blocks[child.request_id] = min(
+        self._blocks[child_id] = child_blocks
+        self._num_cached_blocks[child_id] = min(
             self._num_cached_blocks.get(parent.request_id, 0), num_full
         )
         return copies
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: TokenSequence) -> None:
         """Publish the request's newly completed full blocks to the prefix cache."""
         if not self.enable_prefix_caching:
             return
@@ -148,7 +173,7 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
 
-    def trim(self, request: Request) -> None:
+    def trim(self, request: TokenSequence) -> None:
         """Release blocks past the request's computed tokens (after drafts are rolled back)."""
         blocks = self._blocks.get(request.request_id)
         if not blocks:
@@ -161,19 +186,40 @@ class KVCacheManager:
             sent = self._num_sent_blocks.get(request.request_id, 0)
             self._num_sent_blocks[request.request_id] = min(sent, keep)
 
-    def free(self, request: Request) -> None:
+    def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first so shared prefixes are evicted last."""
-        blocks = self._blocks.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
-        self._num_sent_blocks.pop(request.request_id, None)
+        blocks = self._blocks.pop(request_id, None)
+        self._num_cached_blocks.pop(request_id, None)
+        self._num_sent_blocks.pop(request_id, None)
         if blocks:
             self.pool.free(blocks[::-1])
 
-    def forget(self, request: Request) -> None:
+    def forget(self, request_id: str) -> None:
         """Drop the request's hash chain once it is finished for good."""
-        self._hashes.pop(request.request_id, None)
+        self._hashes.pop(request_id, None)
 
-    def blocks_completed_by(self, request: Request, num_new_tokens: int) -> list[bytes]:
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's prefix-cache lookup: its tokens and those found cached."""
+        self._queried_tokens += num_queried_tokens
+        self._hit_tokens += num_hit_tokens
+
+    def stats(self) -> KVCacheStats:
+        """Block occupancy and prefix-cache counters now."""
+        pool = self.pool
+        return KVCacheStats(
+            num_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            block_size=self.block_size,
+            prefix_queried_tokens=self._queried_tokens,
+            prefix_hit_tokens=self._hit_tokens,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while any block is held."""
+        return self.pool.reset_prefix_cache()
+
+    def blocks_completed_by(self, request: TokenSequence, num_new_tokens: int) -> list[bytes]:
         """Hashes of the full blocks that computing the request's next ``num_new_tokens`` tokens
         completes (they become prefix-cache hits once computed); empty without caching."""
         if not self.enable_prefix_caching:
@@ -182,7 +228,9 @@ class KVCacheManager:
         end = (request.num_computed_tokens + num_new_tokens) // self.block_size
         return self._hashes_of(request)[start:end] if end > start else []
 
-    def num_blocks_in_flight(self, request: Request, first: int, in_flight: set[bytes]) -> int:
+    def num_blocks_in_flight(
+        self, request: TokenSequence, first: int, in_flight: set[bytes]
+    ) -> int:
         """How many of the request's blocks from block ``first`` on, consecutively, are among
         ``in_flight`` (blocks being computed this step), up to what a cache hit may cover."""
         hashes = self._hashes_of(request)[first : (request.num_tokens - 1) // self.block_size]
@@ -193,7 +241,7 @@ class KVCacheManager:
             count += 1
         return count
 
-    def _hashes_of(self, request: Request) -> list[bytes]:
+    def _hashes_of(self, request: TokenSequence) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:
             extra = (request.cache_salt,) if request.cache_salt else ()

@@ -25,7 +25,7 @@ class SampleSource(Protocol):
     output_token_ids: list[int]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SampleRow:
     """One row to sample: the request (or fork child) id, its params and its token history."""
 

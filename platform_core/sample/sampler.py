@@ -12,21 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sample.metadata import SamplingMetadata
 from platform_core.sample.processors import apply_allowed_bias_and_blocks, apply_penalties
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Raw log-probabilities at one position: the chosen token's, its rank, and the top ones."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SamplerOutput:
     """One token per row, and logprobs for rows that asked for them (``None`` otherwise)."""
 
@@ -70,7 +61,7 @@ class Sampler:
             sampled = self.draw(self.probabilities(processed, meta), meta.random.generators)
             tokens = torch.where(meta.random.greedy_rows, tokens, sampled)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self.logprobs(logits, token_list, meta))
+        return SamplerOutput(token_ids=token_list, logprobs=self.logprobs(logits, token_list, meta))
 
     def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Logits after allowed-token masks, biases, ``min_tokens`` blocks and penalties (float32
@@ -161,5 +152,9 @@ def compute_logprobs(
     results = []
     for i, count in enumerate(counts):
         top = list(zip(top_ids[i, :count].tolist(), top_values[i, :count].tolist()))
-        results.append(TokenLogprobs(int(chosen[i]), float(chosen_lp[i, 0]), int(ranks[i]), top))
+        results.append(
+            TokenLogprobs(
+                token_id=int(chosen[i]), logprob=float(chosen_lp[i, 0]), rank=int(ranks[i]), top=top
+            )
+        )
     return results

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from platform_core.sample.sampler import TokenLogprobs
+from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ScheduledRequest:
     """One request's share of a step: compute ``token_ids`` starting at ``start_position``.
 
@@ -61,7 +61,7 @@ class ScheduledRequest:
         return self.start_position + len(self.token_ids)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SchedulerOutput:
     """What to run in one step; ``block_copies`` run before the forward pass."""
 
@@ -79,7 +79,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ModelRunnerOutput:
     """Results of one step, keyed by request id (fork children included).
 

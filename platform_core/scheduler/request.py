@@ -45,7 +45,7 @@ _FINISHED_VALUES = frozenset(
 )
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False, slots=True, kw_only=True)
 class Request:
     """A sequence being generated.
 
@@ -104,6 +104,16 @@ class Request:
     def num_seats(self) -> int:
         """Running slots this request will occupy once its samples fork."""
         return 1 + len(self.pending_fork_ids)
+
+    def append_tokens(self, tokens: list[int]) -> RequestStatus | None:
+        """Append sampled tokens one by one; the finished status of the first that ends the
+        request (the rest are dropped), if any."""
+        for token in tokens:
+            self.output_token_ids.append(token)
+            status = self.check_stop()
+            if status is not None:
+                return status
+        return None
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the newest token causes, if any (records ``stop_reason``).

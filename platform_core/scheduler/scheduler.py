@@ -8,31 +8,25 @@ Each step:
    claiming its cached prefix and a chunk of its prompt. Waiting requests never preempt. A
    request whose prompt is mostly blocks that this step is computing for another request waits
    one step: it then finds them cached instead of computing them again.
+
+Forking the samples of an ``n > 1`` request (``forks``), speculative drafts (``drafts``), the
+message for each scheduled request (``describe``) and the counters (``stats``) have their own
+modules.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from platform_core.config import CacheConfig, SchedulerConfig
 from platform_core.errors import QueueFullError
-from platform_core.kv_cache.manager import KVCacheManager
-from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from platform_core.kv_cache.manager import KVCacheManager, KVCacheStats
+from platform_core.scheduler.describe import describe_request
+from platform_core.scheduler.drafts import DraftProposer, fit_drafts, propose_drafts, settle_drafts
+from platform_core.scheduler.forks import fork_samples
+from platform_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from platform_core.scheduler.request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters since start."""
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_scheduled_tokens: int = 0
-    max_batch_size: int = 0
-    spec_proposed_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_verifications: int = 0
+from platform_core.scheduler.stats import SchedulerStats
 
 
 class Scheduler:
@@ -52,15 +46,36 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._block_copies: list[tuple[int, int]] = []
         # Fork children created by the last update (some may have finished in it already).
-        self.new_forks: dict[str, Request] = {}
+        self._new_forks: dict[str, Request] = {}
 
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
     @property
-    def num_seats_taken(self) -> int:
-        return sum(r.num_seats for r in self.running)
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def find_request(self, request_id: str) -> Request | None:
+        """The unfinished request ``request_id``, or a fork child created by the last update
+        (which may have finished in it already)."""
+        return self.requests.get(request_id) or self._new_forks.get(request_id)
+
+    def kv_stats(self) -> KVCacheStats:
+        """The KV cache's block occupancy and prefix-cache counters."""
+        return self.kv.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing done) while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
+
+    def check_kv_integrity(self) -> None:
+        """Raise ``BlockPoolError`` if the KV cache's bookkeeping is inconsistent."""
+        self.kv.check_integrity()
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (its id must be unused)."""
@@ -106,12 +121,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            uncomputed = request.num_tokens - request.num_computed_tokens
-            drafts = request.spec_token_ids
-            if drafts:
-                drafts = drafts[: budget - 1] if uncomputed == 1 and budget > 1 else []
-                request.spec_token_ids = drafts
-            num_new = min(uncomputed + len(drafts), budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            if request.spec_token_ids:
+                num_new += fit_drafts(request, num_new, budget)
+            num_new = min(num_new, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -131,24 +144,22 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
 
-        describe = self._describe
+        kv = self.kv
         output = SchedulerOutput(
-            scheduled=[describe(r, n) for r, n in scheduled],
+            scheduled=[describe_request(r, n, kv) for r, n in scheduled],
             preempted_ids=[r.request_id for r in preempted],
             finished_ids=self._finished_ids,
             block_copies=self._block_copies,
         )
         self._finished_ids = []
         self._block_copies = []
-        self.stats.num_steps += 1
-        self.stats.num_scheduled_tokens += self.config.max_num_batched_tokens - budget
-        self.stats.max_batch_size = max(self.stats.max_batch_size, len(scheduled))
+        self.stats.record_step(self.config.max_num_batched_tokens - budget, len(scheduled))
         return output
 
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         if not self.waiting:
             return budget
-        seats = self.num_seats_taken
+        seats = sum(r.num_seats for r in self.running)
         # Blocks this step completes (prompt chunks: decodes rarely complete a shared block).
         in_flight: set[bytes] = set()
         for request, num_new in scheduled:
@@ -173,8 +184,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
-            self.kv.stats.queried_tokens += request.num_tokens
-            self.kv.stats.hit_tokens += num_cached_tokens
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, num_cached_tokens)
             request.status = RequestStatus.RUNNING
@@ -186,58 +196,27 @@ class Scheduler:
             seats += request.num_seats
         return budget
 
-    def _describe(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        drafts, draft_probs = request.spec_token_ids, request.spec_draft_probs
-        if drafts or draft_probs is not None:
-            request.spec_token_ids, request.spec_draft_probs = [], None
-            draft_probs = None if draft_probs is None else draft_probs[: len(drafts)]
-        end = start + num_new - len(drafts)
-        output_token_ids, prompt_token_ids = request.output_token_ids, request.prompt_token_ids
-        sample = end == len(prompt_token_ids) + len(output_token_ids)
-        token_ids = request.token_ids_slice(start, end)
-        forks = request.pending_fork_ids
-        first_block, new_block_ids = self.kv.unsent_block_ids(request.request_id)
-        # Positional arguments (in field order): this runs for every request in every step.
-        return ScheduledRequest(
-            request.request_id,
-            token_ids + drafts if drafts else token_ids,
-            start,
-            new_block_ids,
-            sample,
-            request.sampling_params,
-            output_token_ids,
-            prompt_token_ids,
-            list(forks) if sample and forks else [],
-            len(drafts),
-            draft_probs,
-            first_block,
-        )
-
     def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance the scheduled requests by the executed step; return those that finished."""
         finished: list[Request] = []
-        self.new_forks = {}
+        self._new_forks = {}
         requests, sampled, running = self.requests, runner_output.sampled, RequestStatus.RUNNING
-        cache_computed_blocks, append_tokens = self.kv.cache_computed_blocks, self._append_tokens
+        cache_computed_blocks = self.kv.cache_computed_blocks
         for item in output.scheduled:
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
             tokens = sampled.get(item.request_id)
-            num_drafts = item.num_draft_tokens
-            # KV of rejected drafts is garbage: it is neither counted as computed nor cached.
-            rejected = num_drafts - (len(tokens) - 1) if tokens and num_drafts else 0
-            request.num_computed_tokens += len(item.token_ids) - rejected
-            if num_drafts:
-                self._record_verification(request, num_drafts, rejected)
+            request.num_computed_tokens += len(item.token_ids)
+            if item.num_draft_tokens:
+                settle_drafts(request, item.num_draft_tokens, tokens, self.kv, self.stats)
             if not tokens:
                 cache_computed_blocks(request)
                 continue
-            status = append_tokens(request, tokens)
+            status = request.append_tokens(tokens)
             ended = [] if status is None else [(request, status)]
-            for child in self._fork(request, item.fork_ids) if item.fork_ids else ():
-                child_status = append_tokens(child, sampled[child.request_id])
+            for child in self._add_forks(request, item.fork_ids) if item.fork_ids else ():
+                child_status = child.append_tokens(sampled[child.request_id])
                 if child_status is not None:
                     ended.append((child, child_status))
             # Accepted drafts are known tokens only now: publish blocks after appending.
@@ -250,55 +229,28 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return finished
 
-    @staticmethod
-    def _append_tokens(request: Request, tokens: list[int]) -> RequestStatus | None:
-        """Append sampled tokens one by one; stop at the first that ends the request."""
-        for token in tokens:
-            request.output_token_ids.append(token)
-            status = request.check_stop()
-            if status is not None:
-                return status
-        return None
+    def propose_drafts(
+        self, proposer: DraftProposer, max_model_len: int, disable_at: int | None = None
+    ) -> None:
+        """Have ``proposer`` draft the next step's tokens of the decoding requests (see
+        ``drafts.propose_drafts``); it may claim their blocks."""
+        propose_drafts(proposer, self.running, self.kv, max_model_len, disable_at)
 
-    def _record_verification(self, request: Request, num_drafts: int, rejected: int) -> None:
-        self.stats.spec_verifications += 1
-        self.stats.spec_proposed_tokens += num_drafts
-        self.stats.spec_accepted_tokens += num_drafts - rejected
-        if rejected:
-            self.kv.trim(request)
-
-    def _fork(self, parent: Request, fork_ids: list[str]) -> list[Request]:
-        """Create the extra samples of ``parent`` sharing its computed prompt blocks."""
-        parent.pending_fork_ids = []
-        children = []
-        for index, child_id in enumerate(fork_ids, start=1):
-            child = Request(
-                request_id=child_id,
-                prompt_token_ids=parent.prompt_token_ids,
-                sampling_params=parent.sampling_params.clone_for_sample(index),
-                eos_token_ids=parent.eos_token_ids,
-                max_tokens=parent.max_tokens,
-                arrival_time=parent.arrival_time,
-                cache_salt=parent.cache_salt,
-                num_computed_tokens=parent.num_computed_tokens,
-                num_cached_tokens=parent.num_cached_tokens,
-                status=RequestStatus.RUNNING,
-            )
-            self.requests[child_id] = child
-            self.new_forks[child_id] = child
-            copies = self.kv.fork(parent, child)
-            if copies is None:  # no block for the copy: recompute this sample later
-                child.num_computed_tokens = 0
-                child.status = RequestStatus.PREEMPTED
-                self.waiting.appendleft(child)
-            else:
-                self._block_copies += copies
+    def _add_forks(self, parent: Request, fork_ids: list[str]) -> list[Request]:
+        """Fork the extra samples of ``parent`` and queue each where it can run."""
+        children, copies = fork_samples(parent, fork_ids, self.kv)
+        self._block_copies += copies
+        for child in children:
+            self.requests[child.request_id] = child
+            self._new_forks[child.request_id] = child
+            if child.status is RequestStatus.RUNNING:
                 self.running.append(child)
-            children.append(child)
+            else:
+                self.waiting.appendleft(child)
         return children
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+        self.kv.free(request.request_id)
         request.spec_token_ids, request.spec_draft_probs = [], None
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -308,7 +260,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
-        self.kv.forget(request)
+        self.kv.free(request.request_id)
+        self.kv.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)

@@ -4,11 +4,32 @@ from __future__ import annotations
 
 import math
 import mmap
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from platform_core.plugins.interfaces import AttentionOps
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheInfo:
+    """One rank's KV cache as allocated: ``num_blocks`` blocks of ``block_size`` tokens.
+
+    ``bytes_per_block`` is what the cache was planned at per block (all layers);
+    ``allocated_bytes`` what its tensors take in the backend's layout (at most
+    ``planned_bytes``); ``devices`` the distinct devices they live on.
+    """
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    allocated_bytes: int
+    devices: tuple[torch.device, ...]
+
+    @property
+    def planned_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
 
 
 def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:

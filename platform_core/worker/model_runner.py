@@ -20,7 +20,7 @@ from platform_core.plugins.interfaces import Backend, MemoryReport
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from platform_core.worker.input_builder import InputBuilder
-from platform_core.worker.kv_tensors import allocate_kv_caches, kv_bytes_per_block
+from platform_core.worker.kv_tensors import KVCacheInfo, allocate_kv_caches, kv_bytes_per_block
 from platform_core.worker.sampling_step import StepSampler
 from platform_core.worker.step_plan import StepPlan, make_step_plan
 
@@ -77,6 +77,7 @@ class ModelRunner:
         argmax = resolve_ops(overrides).argmax
         self.step_sampler = StepSampler(config.model.seed, eos_token_ids, argmax)
         self.kv_caches: list[torch.Tensor] = []
+        self.num_kv_blocks = 0
         #: the backend's graph runner wrapping the model's forward, when it made one
         self.graph_runner: Callable[..., torch.Tensor] | None = None
 
@@ -126,11 +127,22 @@ class ModelRunner:
             self.dtype,
             self.backend.device,
         )
+        self.num_kv_blocks = num_blocks
         self.graph_runner = None
         if max_model_len is not None:
             self.graph_runner = self.backend.graph_runner(
                 self.model, self.kv_caches, self.config, max_model_len
             )
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        """This rank's KV cache (no blocks before ``allocate_kv_cache``)."""
+        return KVCacheInfo(
+            num_blocks=self.num_kv_blocks,
+            block_size=self.block_size,
+            bytes_per_block=self.bytes_per_block,
+            allocated_bytes=sum(t.numel() * t.element_size() for t in self.kv_caches),
+            devices=tuple(dict.fromkeys(t.device for t in self.kv_caches)),
+        )
 
     def plan(self, output: SchedulerOutput) -> StepPlan:
         """The step every rank runs (made on the driver)."""
@@ -191,10 +203,11 @@ class ModelRunner:
             )
             next_block += num_blocks
             remaining -= length
-        saved, self.kv_caches = self.kv_caches, []
+        saved = self.kv_caches, self.num_kv_blocks
+        self.kv_caches = []
         self.allocate_kv_cache(next_block)
         try:
             self.execute(SchedulerOutput(scheduled=dummies))
         finally:
-            self.kv_caches = saved
+            self.kv_caches, self.num_kv_blocks = saved
             self.input_builder.release([d.request_id for d in dummies])

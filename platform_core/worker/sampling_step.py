@@ -7,7 +7,7 @@ import torch
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.sampler import ArgmaxFn, Sampler, compute_logprobs, row_argmax
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from platform_core.spec.verify import DraftGroup, verify
+from platform_core.speculative.verify import DraftGroup, verify
 from platform_core.worker.step_plan import StepPlan
 
 
@@ -80,7 +80,14 @@ class StepSampler:
                 groups.append(DraftGroup(len(rows), drafts, request.draft_probs))
                 for i in range(len(drafts) + 1):
                     before = history if not i else history + drafts[:i]
-                    rows.append(SampleRow(request_id, params, request.prompt_token_ids, before))
+                    rows.append(
+                        SampleRow(
+                            request_id=request_id,
+                            sampling_params=params,
+                            prompt_token_ids=request.prompt_token_ids,
+                            output_token_ids=before,
+                        )
+                    )
                     logits_rows.append(position + i)
             position += len(drafts) + 1
         if len(rows) != logits.shape[0]:

@@ -103,11 +103,11 @@ def test_engine_kv_cache_stays_within_its_budget(
 ) -> None:
     blocks = 20
     llm = make_llm(conformance, tiny_model("llama").path, num_gpu_blocks_override=blocks)
-    budget = blocks * llm.engine.runner.bytes_per_block
-    assert llm.stats()["kv_blocks_total"] == blocks
+    info = llm.kv_cache_info()
+    budget = blocks * info.bytes_per_block
+    assert llm.stats()["kv_blocks_total"] == blocks == info.num_blocks
     assert kv_cache_bytes(llm) <= budget, f"{kv_cache_bytes(llm)} B allocated for {budget} B"
-    device = conformance.backend.device.type
-    assert all(t.device.type == device for t in llm.engine.runner.kv_caches)
+    assert {d.type for d in info.devices} == {conformance.backend.device.type}, info.devices
 
 
 def test_memory_does_not_grow_across_steps(

@@ -25,7 +25,7 @@ from platform_core.scheduler.request import Request
 from platform_core.worker.input_builder import InputBuilder
 from platform_core.worker.kv_tensors import allocate_kv_caches, kv_bytes_per_block
 
-logger = logging.getLogger("platform_core.spec")
+logger = logging.getLogger("platform_core.speculative")
 
 
 class DraftModelProposer:

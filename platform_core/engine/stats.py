@@ -1,0 +1,32 @@
+"""The flat counters ``LLMEngine.stats()`` reports (and the server's metrics read)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from platform_core.scheduler.scheduler import Scheduler
+
+
+def engine_stats(scheduler: Scheduler) -> dict[str, Any]:
+    """Preemptions, prefix-cache tokens, KV blocks, steps, speculation and queue lengths."""
+    s = scheduler.stats
+    kv = scheduler.kv_stats()
+    return {
+        "num_steps": s.num_steps,
+        "num_preemptions": s.num_preemptions,
+        "num_scheduled_tokens": s.num_scheduled_tokens,
+        "max_batch_size": s.max_batch_size,
+        "prefix_cache_queried_tokens": kv.prefix_queried_tokens,
+        "prefix_cache_hit_tokens": kv.prefix_hit_tokens,
+        "kv_blocks_total": kv.num_blocks,
+        "kv_blocks_used": kv.num_used_blocks,
+        "kv_blocks_free": kv.num_free_blocks,
+        "kv_block_size": kv.block_size,
+        "spec_proposed_tokens": s.spec_proposed_tokens,
+        "spec_accepted_tokens": s.spec_accepted_tokens,
+        "spec_verifications": s.spec_verifications,
+        "spec_acceptance_rate": s.spec_acceptance_rate,
+        "spec_mean_accepted_length": s.spec_mean_accepted_length,
+        "num_running": scheduler.num_running,
+        "num_waiting": scheduler.num_waiting,
+    }
