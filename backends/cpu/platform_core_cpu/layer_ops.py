@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from platform_core.layers.activation import silu_and_mul
+from platform_core.layers.argmax import row_argmax
 from platform_core.layers.norm import rms_norm
 from platform_core.layers.rotary import apply_rotary
-from platform_core.sample.sampler import row_argmax
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
