@@ -12,7 +12,14 @@ import torch
 from platform_core import LLM, SamplingParams
 from platform_core.config import EngineConfig
 from platform_core.errors import BackendError, UnsupportedByBackendError
-from platform_core.plugins.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, hookimpl
+from platform_core.plugins.hookspecs import (
+    ENTRY_POINT_GROUP,
+    PLUGIN_API_VERSION,
+    HookDeprecationWarning,
+    deprecated_hook,
+    hookimpl,
+    hookspec,
+)
 from platform_core.plugins.interfaces import BackendInfo
 from platform_core.plugins.manager import PluginManager
 
@@ -135,6 +142,36 @@ def test_a_platform_core_error_from_a_create_hook_reaches_the_user_as_raised():
     with pytest.raises(BackendError) as info:
         manager.create(EngineConfig.from_flat(backend="picky"))
     assert info.value is refusal
+
+
+class DeprecatedHookSpecs:
+    """A test-only hookspec deprecated the way a real one would be."""
+
+    @hookspec(warn_on_impl=deprecated_hook("platform_core_old_hook", (1, 1), "use the new one"))
+    def platform_core_old_hook(self) -> None:
+        """Deprecated since 1.1 (test only)."""
+
+
+class ImplementsTheDeprecatedHook(FixtureBackendPlugin):
+    @hookimpl
+    def platform_core_old_hook(self) -> None:
+        """Still implemented by an old plugin."""
+
+
+def test_registering_a_plugin_that_implements_a_deprecated_hook_warns(recwarn):
+    manager = PluginManager(eps=[])
+    manager._pm.add_hookspecs(DeprecatedHookSpecs)
+    manager.register(FixtureBackendPlugin("current"), name="current")
+    assert not [w for w in recwarn if issubclass(w.category, HookDeprecationWarning)]
+    with pytest.warns(HookDeprecationWarning) as warned:
+        manager.register(ImplementsTheDeprecatedHook("old"), name="old")
+    [warning] = warned
+    assert str(warning.message) == (
+        "hook platform_core_old_hook is deprecated since plugin API 1.1 and is removed in 2.0: "
+        "use the new one"
+    )
+    assert warning.filename == __file__  # points at the plugin's implementation
+    assert {r.name for r in manager.probe()} == {"current", "old"}  # it still runs
 
 
 def test_third_party_backend_runs_end_to_end_with_its_adjustment(tiny_model_dir, caplog):

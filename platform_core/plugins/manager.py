@@ -131,9 +131,9 @@ def _broken_info(ep: EntryPoint | None, reason: str, name: str | None = None) ->
 
 def _incompatible(info: BackendInfo) -> BackendInfo:
     """The row of a plugin whose API this core cannot run, saying which side to update."""
-    declared = ".".join(map(str, info.api_version))
+    declared = hookspecs.format_api_version(info.api_version)
     core = hookspecs.PLUGIN_API_VERSION
-    provided = ".".join(map(str, core))
+    provided = hookspecs.format_api_version(core)
     if info.api_version[0] != core[0]:
         reason = (
             f"the plugin targets an incompatible major plugin API {declared} (this "
