@@ -3,14 +3,14 @@
 A backend distribution registers a module under the entry-point group ``platform_core.backends``;
 that module (or any object registered with the plugin manager) implements the hooks below with
 ``@hookimpl``. Each hook's docstring is its contract. Hooks return objects, never import
-strings.
+strings. A backend imports what it needs from the core through :mod:`platform_core.backend_api`.
 
 Versioning. ``PLUGIN_API_VERSION`` is ``(major, minor)``; a backend states the version it
 implements in ``BackendInfo.api_version``.
 
-- A minor version only adds (a hook, an optional field, a method with a default, a helper), so
-  a backend built for an older minor runs unchanged and what it does not set takes its default;
-  the conformance report notes the older minor (:func:`api_note`).
+- A minor version only adds (a hook, an optional field, a method with a default, a helper in the
+  backend API), so a backend built for an older minor runs unchanged and what it does not set
+  takes its default; the conformance report notes the older minor (:func:`api_note`).
 - A backend declaring a newer minor than the core's, or another major, is listed unavailable
   with the side to update (:func:`api_compatible`).
 - A hook is removed only by a new major, after at least one minor in which it is deprecated:
@@ -41,7 +41,7 @@ PROJECT_NAME = "platform_core"
 ENTRY_POINT_GROUP = "platform_core.backends"
 # What each minor added (a backend declaring an older one gets the defaults):
 # 1.1: Capabilities.auto_float32_dtype; 1.2: BackendInfo.details, Capabilities.auto_dtype_reason;
-# 1.3: Backend.communicator defaults to torch.distributed.
+# 1.3: platform_core.backend_api, Backend.communicator defaults to torch.distributed.
 PLUGIN_API_VERSION = (1, 3)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
