@@ -11,6 +11,7 @@ import torch
 
 from platform_core import LLM, SamplingParams
 from platform_core.config import EngineConfig
+from platform_core.entrypoints.cli import main as cli_main
 from platform_core.errors import BackendError, UnsupportedByBackendError
 from platform_core.plugins.hookspecs import (
     ENTRY_POINT_GROUP,
@@ -29,6 +30,23 @@ def test_installed_backends_are_discovered_by_entry_point():
     assert rows["cpu"].available and rows["cpu"].package == "platform-core-cpu"
     assert rows["dummy"].available and rows["dummy"].package == "platform-core-dummy-backend"
     assert rows["dummy"].capabilities.dtypes == ("float32",)
+    # The dummy is built for an older minor of the plugin API; it must keep running (below).
+    assert rows["dummy"].api_version[0] == PLUGIN_API_VERSION[0]
+    assert rows["dummy"].api_version < PLUGIN_API_VERSION
+
+
+def test_backends_listing_shows_api_versions_and_notes_an_older_minor(capsys):
+    assert cli_main(["backends"]) == 0
+    out = capsys.readouterr().out
+    core = ".".join(map(str, PLUGIN_API_VERSION))
+    header, cpu = out.splitlines()[:2]
+    assert header.split()[:4] == ["name", "package", "version", "api"]
+    assert cpu.split()[:4] == ["cpu", "platform-core-cpu", "0.1.0", core]
+    assert (
+        f"dummy: the plugin implements plugin API 1.0, older than this platform-core's {core}"
+        in out
+    )
+    assert "cpu: the plugin implements" not in out
 
 
 def test_auto_picks_highest_priority_and_name_picks_that_one():

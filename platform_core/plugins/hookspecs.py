@@ -10,7 +10,8 @@ implements in ``BackendInfo.api_version``.
 
 - A minor version only adds (a hook, an optional field, a method with a default, a helper in the
   backend API), so a backend built for an older minor runs unchanged and what it does not set
-  takes its default; the conformance report notes the older minor (:func:`api_note`).
+  takes its default; ``platform-core backends`` and the conformance report note the older minor
+  (:func:`api_note`).
 - A backend declaring a newer minor than the core's, or another major, is listed unavailable
   with the side to update (:func:`api_compatible`).
 - A hook is removed only by a new major, after at least one minor in which it is deprecated:
