@@ -24,6 +24,7 @@ TOP_LEVEL_NAMES = {"LLM", "SamplingParams"}
 
 def test_every_exported_name_resolves_and_is_listed_once():
     assert len(api.__all__) == len(set(api.__all__))
+    assert set(api._LAZY) <= set(api.__all__)  # a lazy name nobody can see would be dead
     for name in api.__all__:
         assert getattr(api, name) is not None, name
     assert set(api.__all__) <= set(dir(api))

@@ -171,6 +171,8 @@ class DeprecatedHookSpecs:
 
 
 class ImplementsTheDeprecatedHook(FixtureBackendPlugin):
+    """A plugin written before the hook was deprecated."""
+
     @hookimpl
     def platform_core_old_hook(self) -> None:
         """Still implemented by an old plugin."""

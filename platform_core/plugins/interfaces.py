@@ -193,8 +193,9 @@ class Backend(ABC):
         """Wait for queued device work; a no-op on synchronous devices."""
 
     def op_overrides(self) -> dict[str, Callable[..., Any]]:
-        """Optional ops by name (``"rms_norm"``, ``"rotary"``, ``"silu_and_mul"``, ``"linear"``);
-        see ``platform_core.layers.ops`` for their signatures."""
+        """Optional ops by name, one of ``OVERRIDABLE_OPS`` (``"rms_norm"``, ``"rotary"``,
+        ``"silu_and_mul"``, ``"linear"``, ``"argmax"``); their signatures are ``RmsNormFn``,
+        ``RotaryFn``, ``SiluAndMulFn``, ``LinearFn`` and ``ArgmaxFn`` of the backend API."""
         return {}
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
