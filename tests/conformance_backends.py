@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from platform_core.attention.metadata import AttentionMetadata
 from platform_core.attention.reference import ReferenceAttentionOps, reference_write_kv
 from platform_core.config import EngineConfig
-from platform_core.distributed.communicator import Communicator, TorchDistributedCommunicator
 from platform_core.layers.ops import LayerOps
 from platform_core.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from platform_core.plugins.interfaces import AttentionOps, Backend, BackendInfo, Capabilities
@@ -111,9 +110,6 @@ class FixtureBackend(Backend):
     overrides: dict[str, Callable[..., Any]]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     memory: Any = None  # the selected checks never profile
-
-    def communicator(self, group: Any = None) -> Communicator:
-        return TorchDistributedCommunicator(group=group, device=self.device)
 
     def op_overrides(self) -> dict[str, Callable[..., Any]]:
         return dict(self.overrides)

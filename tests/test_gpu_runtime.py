@@ -13,7 +13,7 @@ import torch
 from platform_core.attention.metadata import AttentionMetadata
 from platform_core.attention.reference import reference_paged_attention, reference_write_kv
 from platform_core.config import EngineConfig
-from platform_core.kernels.device_memory import CachingAllocatorProfiler
+from platform_core.plugins.accelerator import CachingAllocatorProfiler
 
 cuda_plugin = pytest.importorskip(
     "platform_core_cuda.plugin", reason="pip install -e backends/cuda"

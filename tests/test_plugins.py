@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import logging
 from importlib.metadata import EntryPoint
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from platform_core import LLM, SamplingParams
+from platform_core.cli.main import main as cli_main
+from platform_core.config import EngineConfig
 from platform_core.errors import BackendError, UnsupportedByBackendError
-from platform_core.plugins.hookspecs import ENTRY_POINT_GROUP, PLUGIN_API_VERSION, hookimpl
+from platform_core.plugins.hookspecs import (
+    ENTRY_POINT_GROUP,
+    PLUGIN_API_VERSION,
+    HookDeprecationWarning,
+    deprecated_hook,
+    hookimpl,
+    hookspec,
+)
 from platform_core.plugins.interfaces import BackendInfo
 from platform_core.plugins.manager import PluginManager
 
@@ -20,6 +30,23 @@ def test_installed_backends_are_discovered_by_entry_point():
     assert rows["cpu"].available and rows["cpu"].package == "platform-core-cpu"
     assert rows["dummy"].available and rows["dummy"].package == "platform-core-dummy-backend"
     assert rows["dummy"].capabilities.dtypes == ("float32",)
+    # The dummy is built for an older minor of the plugin API; it must keep running (below).
+    assert rows["dummy"].api_version[0] == PLUGIN_API_VERSION[0]
+    assert rows["dummy"].api_version < PLUGIN_API_VERSION
+
+
+def test_backends_listing_shows_api_versions_and_notes_an_older_minor(capsys):
+    assert cli_main(["backends"]) == 0
+    out = capsys.readouterr().out
+    core = ".".join(map(str, PLUGIN_API_VERSION))
+    header, cpu = out.splitlines()[:2]
+    assert header.split()[:4] == ["name", "package", "version", "api"]
+    assert cpu.split()[:4] == ["cpu", "platform-core-cpu", "0.1.0", core]
+    assert (
+        f"dummy: the plugin implements plugin API 1.0, older than this platform-core's {core}"
+        in out
+    )
+    assert "cpu: the plugin implements" not in out
 
 
 def test_auto_picks_highest_priority_and_name_picks_that_one():
@@ -77,6 +104,94 @@ def test_probe_errors_and_incompatible_api_make_rows_unavailable():
     assert "plugin API 2.0" in future.reason and f"provides {core}" in future.reason
     with pytest.raises(BackendError, match="no backend is available"):
         manager.choose("auto")
+
+
+class FixtureBackendPlugin:
+    """A plugin of one backend ``name``; its create hook raises ``error`` if given."""
+
+    def __init__(self, name: str, error: Exception | None = None, priority: int = 5) -> None:
+        self.name, self.error, self.priority = name, error, priority
+        self.created: list[str] = []
+
+    @hookimpl
+    def platform_core_backend_info(self) -> BackendInfo:
+        return _info(self.name, priority=self.priority)
+
+    @hookimpl
+    def platform_core_create_backend(self, name: str, config: EngineConfig):
+        self.created.append(name)
+        if self.error is not None:
+            raise self.error
+        return SimpleNamespace(name=self.name) if name == self.name else None
+
+
+def test_a_raising_create_hook_of_another_plugin_does_not_affect_creating_the_chosen_one():
+    good = FixtureBackendPlugin("good")
+    bad = FixtureBackendPlugin("bad", RuntimeError("driver exploded"), priority=1)
+    manager = PluginManager(eps=[])
+    manager.register(good, name="good-plugin")
+    manager.register(bad, name="bad-plugin")
+    backend = manager.create(EngineConfig.from_flat(backend="good"))
+    assert backend.name == "good" and good.created == ["good"]
+    assert bad.created == []  # never asked: only the chosen backend's plugin is
+    assert manager.create(EngineConfig.from_flat(backend="auto")).name == "good"
+
+
+def test_a_create_hook_that_raises_is_reported_naming_the_plugin_and_chained(caplog):
+    manager = PluginManager(eps=[])
+    manager.register(FixtureBackendPlugin("good"), name="good-plugin")
+    manager.register(FixtureBackendPlugin("bad", KeyError("no device 3")), name="bad-plugin")
+    with (
+        caplog.at_level(logging.WARNING, logger="platform_core.plugins"),
+        pytest.raises(BackendError) as info,
+    ):
+        manager.create(EngineConfig.from_flat(backend="bad"))
+    message = str(info.value)
+    assert "backend plugin 'bad-plugin' failed to create backend 'bad'" in message
+    assert "KeyError('no device 3')" in message
+    assert isinstance(info.value.__cause__, KeyError)
+    assert "bad-plugin" in caplog.text
+
+
+def test_a_platform_core_error_from_a_create_hook_reaches_the_user_as_raised():
+    refusal = BackendError("backend 'picky' is not available: the device went away")
+    manager = PluginManager(eps=[])
+    manager.register(FixtureBackendPlugin("picky", refusal), name="picky-plugin")
+    with pytest.raises(BackendError) as info:
+        manager.create(EngineConfig.from_flat(backend="picky"))
+    assert info.value is refusal
+
+
+class DeprecatedHookSpecs:
+    """A test-only hookspec deprecated the way a real one would be."""
+
+    @hookspec(warn_on_impl=deprecated_hook("platform_core_old_hook", (1, 1), "use the new one"))
+    def platform_core_old_hook(self) -> None:
+        """Deprecated since 1.1 (test only)."""
+
+
+class ImplementsTheDeprecatedHook(FixtureBackendPlugin):
+    """A plugin written before the hook was deprecated."""
+
+    @hookimpl
+    def platform_core_old_hook(self) -> None:
+        """Still implemented by an old plugin."""
+
+
+def test_registering_a_plugin_that_implements_a_deprecated_hook_warns(recwarn):
+    manager = PluginManager(eps=[])
+    manager._pm.add_hookspecs(DeprecatedHookSpecs)
+    manager.register(FixtureBackendPlugin("current"), name="current")
+    assert not [w for w in recwarn if issubclass(w.category, HookDeprecationWarning)]
+    with pytest.warns(HookDeprecationWarning) as warned:
+        manager.register(ImplementsTheDeprecatedHook("old"), name="old")
+    [warning] = warned
+    assert str(warning.message) == (
+        "hook platform_core_old_hook is deprecated since plugin API 1.1 and is removed in 2.0: "
+        "use the new one"
+    )
+    assert warning.filename == __file__  # points at the plugin's implementation
+    assert {r.name for r in manager.probe()} == {"current", "old"}  # it still runs
 
 
 def test_third_party_backend_runs_end_to_end_with_its_adjustment(tiny_model_dir, caplog):

@@ -194,7 +194,7 @@ def to_device(metadata, device: str):
 def run_case(case: Case, device: str) -> dict:
     """Kernel (on ``device``) vs. reference (on the CPU) for one case; the measurements."""
     from platform_core.attention.reference import reference_paged_attention, reference_write_kv
-    from platform_core.kernels.triton import interpreting
+    from platform_core.kernels.triton import triton_interpreting
     from platform_core.kernels.triton.ops import TritonAttentionOps
 
     query, key, value, cache, metadata = build_batch(case)
@@ -219,7 +219,7 @@ def run_case(case: Case, device: str) -> dict:
         head_size=case.head_size,
         dtype=query.dtype,
         params=case.params,
-        interpret=interpreting(),
+        interpret=triton_interpreting(),
         num_splits=case.num_splits,
     )
     return {

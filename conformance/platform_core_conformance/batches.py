@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from platform_core.attention.metadata import AttentionMetadata
-from platform_core.attention.reference import (
+from platform_core.backend_api import (
+    AttentionMetadata,
+    AttentionOps,
     reference_kv_cache_shape,
     reference_paged_attention,
     reference_write_kv,
 )
-from platform_core.plugins.interfaces import AttentionOps
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PADDING_VALUE = 1e3  # K/V of padding rows: ruins any output it leaks into

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from platform_core.distributed.communicator import Communicator
-from platform_core.distributed.launch import (
+from platform_core.backend_api import (
+    Backend,
+    Communicator,
     LoopbackGroupConfig,
     find_free_port,
     init_loopback_process_group,
 )
-from platform_core.plugins.interfaces import Backend
 from platform_core_conformance.batches import TORCH_DTYPES
 from platform_core_conformance.context import create_backend
 

@@ -6,15 +6,21 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 
-from platform_core.config import EngineConfig
-from platform_core.plugins.hookspecs import PLUGIN_API_VERSION
-from platform_core.plugins.interfaces import Backend, BackendInfo, Capabilities
-from platform_core.plugins.manager import PluginManager
+from platform_core.backend_api import (
+    PLUGIN_API_VERSION,
+    Backend,
+    BackendInfo,
+    Capabilities,
+    EngineConfig,
+    PluginManager,
+    api_note,
+    format_api_version,
+    installed_version,
+)
 from platform_core_conformance.tolerances import tolerance_for
 
 
@@ -33,38 +39,15 @@ def create_backend(name: str, extra_plugins: Sequence[object] = ()) -> tuple[Bac
     return info, manager.create(EngineConfig.from_flat(backend=info.name))
 
 
-def distribution_version(name: str) -> str:
-    """The installed version of distribution ``name``, or a note that it is not installed."""
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 def environment() -> dict[str, str]:
     """The versions every report names, whether or not the backend could be built."""
     return {
-        "platform_core_version": distribution_version("platform-core"),
-        "plugin_api_version": _api_text(PLUGIN_API_VERSION),
-        "conformance_version": distribution_version("platform-core-conformance"),
+        "platform_core_version": installed_version("platform-core"),
+        "plugin_api_version": format_api_version(PLUGIN_API_VERSION),
+        "conformance_version": installed_version("platform-core-conformance"),
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
     }
-
-
-def _api_text(api: tuple[int, int]) -> str:
-    return ".".join(map(str, api))
-
-
-def api_note(declared: tuple[int, int]) -> str | None:
-    """A note for a plugin built for an older minor API than the core's (it runs as is)."""
-    if declared[0] == PLUGIN_API_VERSION[0] and declared[1] < PLUGIN_API_VERSION[1]:
-        return (
-            f"the plugin implements plugin API {_api_text(declared)}, older than this "
-            f"platform-core's {_api_text(PLUGIN_API_VERSION)}: it runs unchanged; what later "
-            "minor versions added (see platform_core/plugins/hookspecs.py) takes its defaults"
-        )
-    return None
 
 
 @dataclass(frozen=True)
@@ -104,7 +87,7 @@ class ConformanceContext:
             "backend": self.name,
             "backend_package": self.info.package,
             "backend_version": self.info.version,
-            "backend_api_version": _api_text(self.info.api_version),
+            "backend_api_version": format_api_version(self.info.api_version),
             "api_note": api_note(self.info.api_version),
             "device": self.info.device,
             "torch_device": str(self.backend.device),

@@ -17,15 +17,18 @@ import dataclasses
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from platform_core.config import EngineConfig
-from platform_core.distributed.communicator import Communicator, TorchDistributedCommunicator
-from platform_core.plugins.hookspecs import hookimpl
-from platform_core.plugins.interfaces import AttentionOps, Backend, BackendInfo, Capabilities
-from platform_core.plugins.manager import PluginManager
+from platform_core.backend_api import (
+    AttentionOps,
+    Backend,
+    BackendInfo,
+    Capabilities,
+    EngineConfig,
+    PluginManager,
+    hookimpl,
+)
 from platform_core_conformance.runner import run_conformance
 
 DEVICE_FREE_CHECKS = "test_registration or test_kernels or test_ops"
@@ -61,9 +64,6 @@ class InterpretedBackend(Backend):
         self.attention = attention
         self.memory = None  # the device-free checks never profile
 
-    def communicator(self, group: Any = None) -> Communicator:
-        return TorchDistributedCommunicator(group=group, device=self.device)
-
 
 @dataclass(frozen=True)
 class InterpretedPlugin:
@@ -87,7 +87,7 @@ class InterpretedPlugin:
     def platform_core_create_backend(self, name: str, config: EngineConfig) -> Backend | None:
         if name != self.name:
             return None
-        from platform_core.kernels.triton.ops import TritonAttentionOps
+        from platform_core.backend_api import TritonAttentionOps  # imports triton
 
         launch = getattr(importlib.import_module(self.gpu.module), self.gpu.launch_params)
         attention = TritonAttentionOps(launch(self.gpu.units))
@@ -105,7 +105,7 @@ def interpreted_plugin(backend: str) -> InterpretedPlugin:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: one GPU backend, the reports, an optional ``-k`` narrowing the checks."""
-    from platform_core.kernels.triton import interpreting
+    from platform_core.backend_api import triton_interpreting
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("backend", choices=sorted(GPUS))
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--junit", help="write the JUnit XML report here")
     parser.add_argument("-k", dest="keyword", help="further narrow the device-free checks")
     args = parser.parse_args(argv)
-    if not interpreting():
+    if not triton_interpreting():
         parser.error("set TRITON_INTERPRET=1 in the environment (Triton reads it at import)")
     plugin = interpreted_plugin(args.backend)
     keyword = f"({DEVICE_FREE_CHECKS})" + (f" and ({args.keyword})" if args.keyword else "")

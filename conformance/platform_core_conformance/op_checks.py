@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from platform_core.layers.ops import OVERRIDABLE_OPS, LayerOps
+from platform_core.backend_api import OVERRIDABLE_OPS, LayerOps
 
 EPS = 1e-5
 Inputs = tuple[object, ...]

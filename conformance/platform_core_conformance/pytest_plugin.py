@@ -78,7 +78,7 @@ def conformance_context(config: pytest.Config) -> ConformanceContext:
 
 def _refuse(config: pytest.Config, name: str, extra: list[object], exc: Exception) -> NoReturn:
     """Write both reports of a run that cannot start, then end it (exit status 4)."""
-    from platform_core.errors import BackendError
+    from platform_core.backend_api import BackendError
     from platform_core_conformance.context import backend_manager
     from platform_core_conformance.unusable import write_unusable_reports
 

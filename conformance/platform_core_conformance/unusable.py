@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from platform_core.plugins.interfaces import BackendInfo
-from platform_core_conformance.context import api_note, environment
+from platform_core.backend_api import BackendInfo, api_note
+from platform_core_conformance.context import environment
 
 EXIT_STATUS = int(pytest.ExitCode.USAGE_ERROR)
 CASE_NAME = "backend_is_usable"

@@ -40,18 +40,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
+    from platform_core.plugins.hookspecs import api_note, format_api_version
     from platform_core.plugins.manager import PluginManager
 
     rows = PluginManager().probe()
     if not rows:
         print("no backend plugins installed (try: pip install platform-core[cpu])")
         return 1
-    header = ("name", "package", "version", "available", "priority", "device", "reason")
+    header = ("name", "package", "version", "api", "available", "priority", "device", "reason")
     table = [header] + [
         (
             r.name,
             r.package,
             r.version,
+            format_api_version(r.api_version),
             "yes" if r.available else "no",
             str(r.priority),
             r.device,
@@ -71,6 +73,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             )
         for line in r.details:
             print(f"{r.name}: {line}")
+        if note := api_note(r.api_version):
+            print(f"{r.name}: {note}")
     return 0
 
 

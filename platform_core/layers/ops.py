@@ -6,7 +6,7 @@ Names and signatures:
 - ``"rotary"``: :data:`platform_core.layers.rotary.RotaryFn`
 - ``"silu_and_mul"``: :data:`platform_core.layers.activation.SiluAndMulFn`
 - ``"linear"``: :data:`platform_core.layers.linear.LinearFn` (``F.linear``'s signature)
-- ``"argmax"``: :data:`platform_core.sample.sampler.ArgmaxFn` (the sampler's row argmax)
+- ``"argmax"``: :data:`platform_core.layers.argmax.ArgmaxFn` (the sampler's row argmax)
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from platform_core.errors import BackendError
 from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
+from platform_core.layers.argmax import ArgmaxFn, row_argmax
 from platform_core.layers.linear import LinearFn
 from platform_core.layers.norm import RmsNormFn, rms_norm
 from platform_core.layers.rotary import RotaryFn, apply_rotary
-from platform_core.sample.sampler import ArgmaxFn, row_argmax
 
 OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear", "argmax")
 

@@ -1,8 +1,9 @@
 """The objects a backend supplies: small ABCs whose docstrings are the contract.
 
-A backend package implements :class:`Backend` (its device, attention ops, memory profiler and
-communicator factory) and describes itself with :class:`BackendInfo`. Everything here is plain
-data or small interfaces; no method of the core is ever monkeypatched by a backend.
+A backend package implements :class:`Backend` (its device, attention ops and memory profiler;
+the communicator factory has a default) and describes itself with :class:`BackendInfo`.
+Everything here is plain data or small interfaces; no method of the core is ever monkeypatched
+by a backend.
 """
 
 from __future__ import annotations
@@ -176,16 +177,25 @@ class Backend(ABC):
     #: torch.distributed backend its communicator runs on ("gloo", "nccl", "xccl", ...)
     process_group_backend: str = "gloo"
 
-    @abstractmethod
     def communicator(self, group: Any = None) -> Communicator:
-        """A communicator over ``group`` (``None``: the default process group)."""
+        """A communicator over ``group`` (``None``: the default process group).
+
+        The default (since plugin API 1.3) is a ``TorchDistributedCommunicator`` on this
+        backend's device, which works over any ``torch.distributed`` backend; override it only
+        for collectives outside ``torch.distributed``.
+        """
+        # Imported here: importing the interfaces (a backend's probe does) must not import torch.
+        from platform_core.distributed.communicator import TorchDistributedCommunicator
+
+        return TorchDistributedCommunicator(group=group, device=self.device)
 
     def synchronize(self) -> None:  # noqa: B027 - optional hook, a no-op for synchronous devices
         """Wait for queued device work; a no-op on synchronous devices."""
 
     def op_overrides(self) -> dict[str, Callable[..., Any]]:
-        """Optional ops by name (``"rms_norm"``, ``"rotary"``, ``"silu_and_mul"``, ``"linear"``);
-        see ``platform_core.layers.ops`` for their signatures."""
+        """Optional ops by name, one of ``OVERRIDABLE_OPS`` (``"rms_norm"``, ``"rotary"``,
+        ``"silu_and_mul"``, ``"linear"``, ``"argmax"``); their signatures are ``RmsNormFn``,
+        ``RotaryFn``, ``SiluAndMulFn``, ``LinearFn`` and ``ArgmaxFn`` of the backend API."""
         return {}
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:

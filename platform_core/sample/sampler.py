@@ -7,11 +7,11 @@ generator, so its samples do not depend on the rest of the batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from platform_core.layers.argmax import ArgmaxFn, row_argmax
 from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sample.metadata import SamplingMetadata
 from platform_core.sample.processors import apply_allowed_bias_and_blocks, apply_penalties
@@ -23,17 +23,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-
-
-ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
-"""``argmax(x) -> Tensor``: ``torch.argmax(x, dim=-1)`` of ``[rows, vocab]`` logits, float32 or
-the model's narrower dtype (the first
-maximal index; a NaN counts as maximal), int64 ``[rows]``."""
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """Default argmax op: torch's."""
-    return x.argmax(dim=-1)
 
 
 class Sampler:

@@ -18,9 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from platform_core.attention.metadata import AttentionMetadata
-from platform_core.errors import BackendError, ConfigError
-from platform_core.plugins.interfaces import AttentionOps
+from platform_core.backend_api import AttentionMetadata, AttentionOps, BackendError, ConfigError
 from platform_core_cpu.isa import host_isa
 from platform_core_cpu.kernels import load_kernels
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from platform_core.attention.metadata import AttentionMetadata
+from platform_core.backend_api import AttentionMetadata
 
 logger = logging.getLogger("platform_core_cpu")
 

@@ -24,7 +24,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from platform_core.errors import ConfigError
+from platform_core.backend_api import ConfigError
 
 ISA_ENV = "PLATFORM_CORE_CPU_ISA"
 ISA_LEVELS = ("generic", "avx2", "avx512", "avx512_bf16")

@@ -13,10 +13,7 @@ from typing import Any
 
 import torch
 
-from platform_core.layers.activation import silu_and_mul
-from platform_core.layers.norm import rms_norm
-from platform_core.layers.rotary import apply_rotary
-from platform_core.sample.sampler import row_argmax
+from platform_core.backend_api import apply_rotary, rms_norm, row_argmax, silu_and_mul
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from platform_core.plugins.interfaces import MemoryProfiler, MemoryReport
+from platform_core.backend_api import MemoryProfiler, MemoryReport
 
 DEFAULT_KV_CACHE_SPACE = 4 << 30
 KV_CACHE_SPACE_ENV = "PLATFORM_CORE_CPU_KV_CACHE_SPACE"

@@ -5,19 +5,20 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
 
-from platform_core.config import EngineConfig
-from platform_core.errors import ConfigError
-from platform_core.plugins.hookspecs import hookimpl
-from platform_core.plugins.interfaces import (
+from platform_core.backend_api import (
     Backend,
+    BackendIdentity,
     BackendInfo,
     Capabilities,
     ConfigAdjustment,
+    ConfigError,
+    EngineConfig,
+    hookimpl,
+    installed_version,
 )
 from platform_core_cpu.graph_runner import GRAPHS_ENV, CpuGraphRunner
 from platform_core_cpu.isa import CpuIsa, host_isa
@@ -25,8 +26,8 @@ from platform_core_cpu.linear import packed_linear_available
 
 logger = logging.getLogger("platform_core_cpu")
 
-NAME = "cpu"
-API_VERSION = (1, 2)  # the plugin contract version this package implements
+# 1.3: the backend API, the default communicator (1.2: BackendInfo.details, auto_dtype_reason)
+BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 3), priority=0)
 
 
 def capabilities(isa: CpuIsa | None = None) -> Capabilities:
@@ -59,13 +60,6 @@ def _auto_dtype_reason(isa: CpuIsa) -> str:
     return ""
 
 
-def _package_version() -> str:
-    try:
-        return version("platform-core-cpu")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 class CpuBackend(Backend):
     """The CPU backend: runs everywhere; the fallback when no accelerator is present."""
 
@@ -73,17 +67,12 @@ class CpuBackend(Backend):
         from platform_core_cpu.attention import CpuAttentionOps
         from platform_core_cpu.memory import CpuMemoryProfiler
 
-        self.name = NAME
+        self.name = BACKEND.name
         self.isa = isa or host_isa()
         self.device = torch.device("cpu")
         self.capabilities = capabilities(self.isa)
         self.attention = CpuAttentionOps(level=self.isa.level)
         self.memory = CpuMemoryProfiler()
-
-    def communicator(self, group: Any = None):
-        from platform_core.distributed.communicator import TorchDistributedCommunicator
-
-        return TorchDistributedCommunicator(group=group, device=self.device)
 
     def op_overrides(self) -> dict[str, Any]:
         """float32 and bf16 linears on this CPU's path
@@ -181,23 +170,19 @@ def platform_core_backend_info() -> BackendInfo:
     try:
         isa = host_isa()
     except ConfigError as exc:  # a PLATFORM_CORE_CPU_ISA this CPU cannot run
-        available, reason, isa = False, str(exc), None
+        problem, isa = str(exc), None
     else:
-        available, reason = True, "always available"
-    return BackendInfo(
-        name=NAME,
-        package="platform-core-cpu",
-        version=_package_version(),
-        api_version=API_VERSION,
-        available=available,
-        reason=reason,
-        priority=0,
-        device=f"cpu ({torch.get_num_threads()} threads)",
-        capabilities=None if isa is None else capabilities(isa),
+        problem = None
+    return BACKEND.row(
+        installed_version(BACKEND.package),
+        None if isa is None else capabilities(isa),
+        f"cpu ({torch.get_num_threads()} threads)",
+        problem=problem,
+        ready="always available",
         details=() if isa is None else describe_paths(isa),
     )
 
 
 @hookimpl
 def platform_core_create_backend(name: str, config: EngineConfig) -> Backend | None:
-    return CpuBackend() if name == NAME else None
+    return CpuBackend() if name == BACKEND.name else None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from platform_core.attention.metadata import AttentionMetadata
+from platform_core.backend_api import AttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int, limit: int = 256) -> tuple[int, ...]:

@@ -16,9 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from platform_core.attention.metadata import AttentionMetadata
-from platform_core.kernels.triton.launch import choose_num_splits
-from platform_core.kernels.triton.ops import TritonAttentionOps
+from platform_core.backend_api import AttentionMetadata, TritonAttentionOps, choose_num_splits
 from platform_core_cuda.graph_buckets import DecodeBuffers, bucket_for
 
 logger = logging.getLogger("platform_core_cuda")

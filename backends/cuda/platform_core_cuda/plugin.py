@@ -1,6 +1,6 @@
 """pluggy hooks and the ``Backend`` object of the NVIDIA CUDA backend.
 
-Attention runs the shared Triton kernels (``platform_core.kernels.triton``) with launch
+Attention runs the shared Triton kernels (``TritonAttentionOps`` of the backend API) with launch
 parameters sized to the GPU; memory is profiled through ``torch.cuda``'s allocator; collectives
 go through NCCL. ``PLATFORM_CORE_CUDA_GRAPHS=0`` turns CUDA-graph capture of decode steps off.
 """
@@ -12,20 +12,24 @@ from typing import Any
 
 import torch
 
-from platform_core.config import EngineConfig
-from platform_core.errors import BackendError
-from platform_core.kernels.triton.launch import LaunchParams
-from platform_core.plugins.hookspecs import hookimpl
-from platform_core.plugins.interfaces import Backend, BackendInfo, ConfigAdjustment
+from platform_core.backend_api import (
+    AcceleratorBackend,
+    Backend,
+    BackendInfo,
+    ConfigAdjustment,
+    EngineConfig,
+    LaunchParams,
+    hookimpl,
+    installed_version,
+    require_available,
+)
 from platform_core_cuda.probe import (
+    BACKEND,
     BF16_MIN_CAPABILITY,
-    NAME,
-    PACKAGE,
     GpuInfo,
     capabilities_for,
     describe,
     detect,
-    package_version,
 )
 
 GRAPHS_ENV = "PLATFORM_CORE_CUDA_GRAPHS"
@@ -67,36 +71,20 @@ def dtype_adjustments(config: EngineConfig, capability: tuple[int, int]) -> list
     ]
 
 
-class CudaBackend(Backend):
-    """One NVIDIA GPU: ``cuda:$LOCAL_RANK`` (0 when unset).
-
-    ``process_group_backend`` names the ``torch.distributed`` backend a launcher should
-    initialise for this device.
-    """
+class CudaBackend(AcceleratorBackend):
+    """One NVIDIA GPU: ``cuda:$LOCAL_RANK`` (0 when unset); collectives over NCCL."""
 
     process_group_backend = "nccl"
 
     def __init__(self) -> None:
-        from platform_core.kernels.device_memory import CachingAllocatorProfiler
-        from platform_core.kernels.triton.ops import TritonAttentionOps
+        from platform_core.backend_api import TritonAttentionOps  # imports triton
 
-        self.name = NAME
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(self.device)
-        props = torch.cuda.get_device_properties(self.device)
+        super().__init__(BACKEND.name, "cuda", torch.cuda)
+        props = self.properties
         self.compute_capability = (props.major, props.minor)
         gpu = GpuInfo(props.name, self.compute_capability)
         self.capabilities = capabilities_for((gpu,), graphs_enabled())
         self.attention = TritonAttentionOps(cuda_launch_params(props.multi_processor_count))
-        self.memory = CachingAllocatorProfiler(torch.cuda, self.device)
-
-    def communicator(self, group: Any = None):
-        from platform_core.distributed.communicator import TorchDistributedCommunicator
-
-        return TorchDistributedCommunicator(group=group, device=self.device)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
         return dtype_adjustments(config, self.compute_capability)
@@ -128,14 +116,12 @@ class CudaBackend(Backend):
 
 @hookimpl
 def platform_core_backend_info() -> BackendInfo:
-    return describe(detect(), package_version(PACKAGE), graphs_enabled())
+    return describe(detect(), installed_version(BACKEND.package), graphs_enabled())
 
 
 @hookimpl
 def platform_core_create_backend(name: str, config: EngineConfig) -> Backend | None:
-    if name != NAME:
+    if name != BACKEND.name:
         return None
-    info = platform_core_backend_info()
-    if not info.available:
-        raise BackendError(f"backend 'cuda' is not available: {info.reason}")
+    require_available(platform_core_backend_info())
     return CudaBackend()

@@ -9,19 +9,23 @@ so every outcome is tested without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from platform_core.kernels.triton import KERNEL_BLOCK_SIZES, KERNEL_HEAD_SIZES, triton_installed
-from platform_core.plugins.interfaces import BackendInfo, Capabilities
+from platform_core.backend_api import (
+    KERNEL_CAPABILITIES,
+    BackendIdentity,
+    BackendInfo,
+    Capabilities,
+    count_devices,
+    gpu_device_text,
+    triton_version,
+)
 
-NAME = "cuda"
-PACKAGE = "platform-core-cuda"
-API_VERSION = (1, 0)
-PRIORITY = 100
+BACKEND = BackendIdentity("cuda", "platform-core-cuda", api_version=(1, 3), priority=100)
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere
 
 
@@ -49,14 +53,6 @@ class CudaEnvironment:
     count_source: str
     gpus: tuple[GpuInfo, ...] = ()
     problem: str | None = None
-
-
-def package_version(distribution: str) -> str:
-    """Installed version of ``distribution`` or ``"unknown"``."""
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def visible_devices(physical_count: int, env_value: str | None) -> list[int | None]:
@@ -100,22 +96,18 @@ def _nvml_gpus() -> list[GpuInfo]:
 def detect() -> CudaEnvironment:
     """Probe this machine; cheap, and creates no CUDA context."""
     cuda, hip = torch.version.cuda, getattr(torch.version, "hip", None)
-    triton_version = package_version("triton") if triton_installed() else None
     base = dict(
         torch_version=torch.__version__,
         cuda_version=cuda,
         hip_version=hip,
-        triton_version=triton_version,
+        triton_version=triton_version("triton"),
     )
     if cuda is None:
         return CudaEnvironment(**base, device_count=0, count_source="torch build")
     try:
         gpus = _nvml_gpus()
     except ImportError:
-        count = torch.cuda.device_count()
-        problem = None
-        if torch.cuda.is_initialized():
-            problem = "torch.cuda.device_count() initialised CUDA in the probing process"
+        count, problem = count_devices(torch.cuda, "CUDA")
         return CudaEnvironment(
             **base, device_count=count, count_source="torch.cuda.device_count", problem=problem
         )
@@ -131,14 +123,12 @@ def supports_bf16(capabilities: list[tuple[int, int] | None]) -> bool:
 
 def capabilities_for(gpus: tuple[GpuInfo, ...], cuda_graphs: bool) -> Capabilities:
     """What the backend declares for these GPUs."""
+    kernels = KERNEL_CAPABILITIES
     bf16 = supports_bf16([g.compute_capability for g in gpus])
-    features = ("prefix_caching", "chunked_prefill") + (("cuda_graphs",) if cuda_graphs else ())
-    return Capabilities(
-        dtypes=("float16", "bfloat16", "float32") if bf16 else ("float16", "float32"),
-        head_sizes=KERNEL_HEAD_SIZES,
-        block_sizes=KERNEL_BLOCK_SIZES,
-        max_batch=None,
-        features=features,
+    return dataclasses.replace(
+        kernels,
+        dtypes=kernels.dtypes if bf16 else tuple(d for d in kernels.dtypes if d != "bfloat16"),
+        features=kernels.features + (("cuda_graphs",) if cuda_graphs else ()),
     )
 
 
@@ -158,35 +148,22 @@ def _unavailable_reason(env: CudaEnvironment) -> str | None:
     return None
 
 
-def _device_text(env: CudaEnvironment) -> str:
-    if env.device_count == 0:
-        return "cuda (no GPU)"
+def _model(env: CudaEnvironment) -> str:
+    """The first GPU's name and architecture (``""``: not known)."""
     if not env.gpus:
-        return f"cuda ({env.device_count} GPU(s))"
-    first = env.gpus[0]
-    arch = (
-        f", sm_{first.compute_capability[0]}{first.compute_capability[1]}"
-        if (first.compute_capability)
-        else ""
-    )
-    return f"cuda ({env.device_count} x {first.name}{arch})"
+        return ""
+    first, capability = env.gpus[0], env.gpus[0].compute_capability
+    return first.name + (f", sm_{capability[0]}{capability[1]}" if capability else "")
 
 
 def describe(env: CudaEnvironment, version_text: str, cuda_graphs: bool) -> BackendInfo:
     """The ``BackendInfo`` row for ``env``."""
-    problem = _unavailable_reason(env)
-    reason = problem or (
-        f"{env.device_count} GPU(s) via {env.count_source}; CUDA {env.cuda_version}, "
-        f"triton {env.triton_version}" + (f" (warning: {env.problem})" if env.problem else "")
-    )
-    return BackendInfo(
-        name=NAME,
-        package=PACKAGE,
-        version=version_text,
-        api_version=API_VERSION,
-        available=problem is None,
-        reason=reason,
-        priority=PRIORITY,
-        device=_device_text(env),
-        capabilities=capabilities_for(env.gpus, cuda_graphs),
+    return BACKEND.row(
+        version_text,
+        capabilities_for(env.gpus, cuda_graphs),
+        gpu_device_text("cuda", env.device_count, _model(env)),
+        problem=_unavailable_reason(env),
+        ready=f"{env.device_count} GPU(s) via {env.count_source}; CUDA {env.cuda_version}, "
+        f"triton {env.triton_version}",
+        warning=env.problem,
     )

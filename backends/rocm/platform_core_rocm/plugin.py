@@ -7,24 +7,19 @@ from the CUDA backend is detection and the Triton launch settings.
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import torch
 
-from platform_core.config import EngineConfig
-from platform_core.errors import BackendError
-from platform_core.kernels.triton.launch import LaunchParams
-from platform_core.plugins.hookspecs import hookimpl
-from platform_core.plugins.interfaces import Backend, BackendInfo
-from platform_core_rocm.probe import (
-    CAPABILITIES,
-    NAME,
-    PACKAGE,
-    describe,
-    detect,
+from platform_core.backend_api import (
+    AcceleratorBackend,
+    Backend,
+    BackendInfo,
+    EngineConfig,
+    LaunchParams,
+    hookimpl,
     installed_version,
+    require_available,
 )
+from platform_core_rocm.probe import BACKEND, CAPABILITIES, describe, detect
 
 
 def rocm_launch_params(num_compute_units: int) -> LaunchParams:
@@ -43,42 +38,29 @@ def rocm_launch_params(num_compute_units: int) -> LaunchParams:
     )
 
 
-class RocmBackend(Backend):
-    """One AMD GPU: ``cuda:$LOCAL_RANK`` in torch's naming (0 when unset)."""
+class RocmBackend(AcceleratorBackend):
+    """One AMD GPU: ``cuda:$LOCAL_RANK`` in torch's naming (0 when unset); collectives over
+    RCCL (torch's ``nccl`` backend on ROCm)."""
 
     process_group_backend = "nccl"
 
     def __init__(self) -> None:
-        from platform_core.kernels.device_memory import CachingAllocatorProfiler
-        from platform_core.kernels.triton.ops import TritonAttentionOps
+        from platform_core.backend_api import TritonAttentionOps  # imports triton
 
-        self.name = NAME
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(self.device)
-        props = torch.cuda.get_device_properties(self.device)
+        super().__init__(BACKEND.name, "cuda", torch.cuda)
         self.capabilities = CAPABILITIES
-        self.attention = TritonAttentionOps(rocm_launch_params(props.multi_processor_count))
-        self.memory = CachingAllocatorProfiler(torch.cuda, self.device)
-
-    def communicator(self, group: Any = None):
-        from platform_core.distributed.communicator import TorchDistributedCommunicator
-
-        return TorchDistributedCommunicator(group=group, device=self.device)
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        units = self.properties.multi_processor_count
+        self.attention = TritonAttentionOps(rocm_launch_params(units))
 
 
 @hookimpl
 def platform_core_backend_info() -> BackendInfo:
-    return describe(detect(), installed_version((PACKAGE,)))
+    return describe(detect(), installed_version(BACKEND.package))
 
 
 @hookimpl
 def platform_core_create_backend(name: str, config: EngineConfig) -> Backend | None:
-    if name != NAME:
+    if name != BACKEND.name:
         return None
-    info = platform_core_backend_info()
-    if not info.available:
-        raise BackendError(f"backend 'rocm' is not available: {info.reason}")
+    require_available(platform_core_backend_info())
     return RocmBackend()

@@ -10,29 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from platform_core.kernels.triton import (
-    KERNEL_BLOCK_SIZES,
-    KERNEL_DTYPES,
-    KERNEL_HEAD_SIZES,
-    triton_installed,
+from platform_core.backend_api import (
+    KERNEL_CAPABILITIES,
+    BackendIdentity,
+    BackendInfo,
+    count_devices,
+    gpu_device_text,
+    triton_version,
 )
-from platform_core.plugins.interfaces import BackendInfo, Capabilities
 
-NAME = "rocm"
-PACKAGE = "platform-core-rocm"
-API_VERSION = (1, 0)
-PRIORITY = 100
-CAPABILITIES = Capabilities(
-    dtypes=KERNEL_DTYPES,
-    head_sizes=KERNEL_HEAD_SIZES,
-    block_sizes=KERNEL_BLOCK_SIZES,
-    max_batch=None,
-    features=("prefix_caching", "chunked_prefill"),
-)
+BACKEND = BackendIdentity("rocm", "platform-core-rocm", api_version=(1, 3), priority=100)
+CAPABILITIES = KERNEL_CAPABILITIES
 _TRITON_DISTRIBUTIONS = ("pytorch-triton-rocm", "triton")
 
 
@@ -48,16 +39,6 @@ class RocmEnvironment:
     problem: str | None = None
 
 
-def installed_version(distributions: tuple[str, ...]) -> str:
-    """Version of the first installed distribution of ``distributions``, or ``"unknown"``."""
-    for distribution in distributions:
-        try:
-            return version(distribution)
-        except PackageNotFoundError:
-            continue
-    return "unknown"
-
-
 def detect() -> RocmEnvironment:
     """Probe this machine; cheap, and creates no HIP context."""
     hip = getattr(torch.version, "hip", None)
@@ -65,15 +46,12 @@ def detect() -> RocmEnvironment:
         torch_version=torch.__version__,
         hip_version=hip,
         cuda_version=torch.version.cuda,
-        triton_version=installed_version(_TRITON_DISTRIBUTIONS) if triton_installed() else None,
+        triton_version=triton_version(*_TRITON_DISTRIBUTIONS),
         device_count=0,
     )
     if hip is None:
         return env
-    count = torch.cuda.device_count()
-    problem = None
-    if torch.cuda.is_initialized():
-        problem = "torch.cuda.device_count() initialised HIP in the probing process"
+    count, problem = count_devices(torch.cuda, "HIP")
     return dataclasses.replace(env, device_count=count, problem=problem)
 
 
@@ -94,19 +72,11 @@ def _unavailable_reason(env: RocmEnvironment) -> str | None:
 
 def describe(env: RocmEnvironment, version_text: str) -> BackendInfo:
     """The ``BackendInfo`` row for ``env``."""
-    problem = _unavailable_reason(env)
-    reason = problem or (
-        f"{env.device_count} GPU(s); HIP {env.hip_version}, triton {env.triton_version}"
-        + (f" (warning: {env.problem})" if env.problem else "")
-    )
-    return BackendInfo(
-        name=NAME,
-        package=PACKAGE,
-        version=version_text,
-        api_version=API_VERSION,
-        available=problem is None,
-        reason=reason,
-        priority=PRIORITY,
-        device=f"rocm ({env.device_count} GPU(s))" if env.device_count else "rocm (no GPU)",
-        capabilities=CAPABILITIES,
+    return BACKEND.row(
+        version_text,
+        CAPABILITIES,
+        gpu_device_text("rocm", env.device_count),
+        problem=_unavailable_reason(env),
+        ready=f"{env.device_count} GPU(s); HIP {env.hip_version}, triton {env.triton_version}",
+        warning=env.problem,
     )

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from platform_core.attention.metadata import AttentionMetadata
-from platform_core.attention.reference import reference_kv_cache_shape
-from platform_core.plugins.interfaces import AttentionOps
+from platform_core.backend_api import AttentionMetadata, AttentionOps, reference_kv_cache_shape
 
 
 class IpexAttentionOps(AttentionOps):

@@ -8,25 +8,28 @@ through ``torch.xpu``'s allocator; collectives use torch's ``xccl`` backend.
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any
 
 import torch
 
-from platform_core.config import EngineConfig
-from platform_core.errors import BackendError
-from platform_core.kernels.triton.launch import LaunchParams
-from platform_core.plugins.hookspecs import hookimpl
-from platform_core.plugins.interfaces import AttentionOps, Backend, BackendInfo
+from platform_core.backend_api import (
+    AcceleratorBackend,
+    AttentionOps,
+    Backend,
+    BackendError,
+    BackendInfo,
+    EngineConfig,
+    LaunchParams,
+    hookimpl,
+    installed_version,
+    require_available,
+)
 from platform_core_xpu.probe import (
+    BACKEND,
     CAPABILITIES,
-    NAME,
-    PACKAGE,
     AttentionChoice,
     choose_attention,
     describe,
     detect,
-    installed_version,
 )
 
 logger = logging.getLogger("platform_core_xpu")
@@ -48,49 +51,34 @@ def build_attention(choice: AttentionChoice, num_xe_cores: int) -> AttentionOps:
         logger.info("XPU attention: IPEX paged attention (%s)", choice.reason)
         return IpexAttentionOps()
     if choice.kind == "triton":
-        from platform_core.kernels.triton.ops import TritonAttentionOps
+        from platform_core.backend_api import TritonAttentionOps  # imports triton
 
         logger.info("XPU attention: Triton kernels (%s)", choice.reason)
         return TritonAttentionOps(xpu_launch_params(num_xe_cores))
     raise BackendError(f"backend 'xpu' has no paged attention: {choice.reason}")
 
 
-class XpuBackend(Backend):
-    """One Intel GPU: ``xpu:$LOCAL_RANK`` (0 when unset)."""
+class XpuBackend(AcceleratorBackend):
+    """One Intel GPU: ``xpu:$LOCAL_RANK`` (0 when unset); collectives over XCCL."""
 
     process_group_backend = "xccl"
 
     def __init__(self, choice: AttentionChoice) -> None:
-        from platform_core.kernels.device_memory import CachingAllocatorProfiler
-
-        self.name = NAME
-        self.device = torch.device("xpu", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.xpu.set_device(self.device)
-        props = torch.xpu.get_device_properties(self.device)
+        super().__init__(BACKEND.name, "xpu", torch.xpu)
         self.capabilities = CAPABILITIES
-        self.attention = build_attention(choice, getattr(props, "gpu_subslice_count", 0))
-        self.memory = CachingAllocatorProfiler(torch.xpu, self.device)
-
-    def communicator(self, group: Any = None):
-        from platform_core.distributed.communicator import TorchDistributedCommunicator
-
-        return TorchDistributedCommunicator(group=group, device=self.device)
-
-    def synchronize(self) -> None:
-        torch.xpu.synchronize(self.device)
+        xe_cores = getattr(self.properties, "gpu_subslice_count", 0)
+        self.attention = build_attention(choice, xe_cores)
 
 
 @hookimpl
 def platform_core_backend_info() -> BackendInfo:
-    return describe(detect(), installed_version((PACKAGE,)) or "unknown")
+    return describe(detect(), installed_version(BACKEND.package))
 
 
 @hookimpl
 def platform_core_create_backend(name: str, config: EngineConfig) -> Backend | None:
-    if name != NAME:
+    if name != BACKEND.name:
         return None
     env = detect()
-    info = describe(env, installed_version((PACKAGE,)) or "unknown")
-    if not info.available:
-        raise BackendError(f"backend 'xpu' is not available: {info.reason}")
+    require_available(describe(env, installed_version(BACKEND.package)))
     return XpuBackend(choose_attention(env))

@@ -10,29 +10,21 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from platform_core.kernels.triton import (
-    KERNEL_BLOCK_SIZES,
-    KERNEL_DTYPES,
-    KERNEL_HEAD_SIZES,
-    triton_installed,
+from platform_core.backend_api import (
+    KERNEL_CAPABILITIES,
+    BackendIdentity,
+    BackendInfo,
+    count_devices,
+    gpu_device_text,
+    installed_version,
+    triton_version,
 )
-from platform_core.plugins.interfaces import BackendInfo, Capabilities
 
-NAME = "xpu"
-PACKAGE = "platform-core-xpu"
-API_VERSION = (1, 0)
-PRIORITY = 90
-CAPABILITIES = Capabilities(
-    dtypes=KERNEL_DTYPES,
-    head_sizes=KERNEL_HEAD_SIZES,
-    block_sizes=KERNEL_BLOCK_SIZES,
-    max_batch=None,
-    features=("prefix_caching", "chunked_prefill"),
-)
+BACKEND = BackendIdentity("xpu", "platform-core-xpu", api_version=(1, 3), priority=90)
+CAPABILITIES = KERNEL_CAPABILITIES
 IPEX_DISTRIBUTION = "intel-extension-for-pytorch"
 _TRITON_DISTRIBUTIONS = ("pytorch-triton-xpu", "triton")
 
@@ -57,16 +49,6 @@ class AttentionChoice:
     reason: str
 
 
-def installed_version(distributions: tuple[str, ...]) -> str | None:
-    """Version of the first installed distribution of ``distributions``."""
-    for distribution in distributions:
-        try:
-            return version(distribution)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
 def _major_minor(text: str) -> tuple[str, ...]:
     return tuple(text.split("+", 1)[0].split(".")[:2])
 
@@ -76,16 +58,10 @@ def detect() -> XpuEnvironment:
     compiled = bool(getattr(torch, "xpu", None) and torch.xpu._is_compiled())
     ipex = None
     if importlib.util.find_spec("intel_extension_for_pytorch") is not None:
-        ipex = installed_version((IPEX_DISTRIBUTION,)) or "unknown"
-    triton_version = (
-        (installed_version(_TRITON_DISTRIBUTIONS) or "unknown") if (triton_installed()) else None
-    )
-    count, problem = 0, None
-    if compiled:
-        count = torch.xpu.device_count()
-        if torch.xpu.is_initialized():
-            problem = "torch.xpu.device_count() initialised XPU in the probing process"
-    return XpuEnvironment(torch.__version__, compiled, triton_version, ipex, count, problem)
+        ipex = installed_version(IPEX_DISTRIBUTION)
+    triton = triton_version(*_TRITON_DISTRIBUTIONS)
+    count, problem = count_devices(torch.xpu, "XPU") if compiled else (0, None)
+    return XpuEnvironment(torch.__version__, compiled, triton, ipex, count, problem)
 
 
 def choose_attention(env: XpuEnvironment) -> AttentionChoice:
@@ -119,16 +95,11 @@ def _unavailable_reason(env: XpuEnvironment, choice: AttentionChoice) -> str | N
 def describe(env: XpuEnvironment, version_text: str) -> BackendInfo:
     """The ``BackendInfo`` row for ``env``."""
     choice = choose_attention(env)
-    problem = _unavailable_reason(env, choice)
-    reason = problem or f"{env.device_count} GPU(s); attention: {choice.kind} ({choice.reason})"
-    return BackendInfo(
-        name=NAME,
-        package=PACKAGE,
-        version=version_text,
-        api_version=API_VERSION,
-        available=problem is None,
-        reason=reason,
-        priority=PRIORITY,
-        device=f"xpu ({env.device_count} GPU(s))" if env.device_count else "xpu (no GPU)",
-        capabilities=CAPABILITIES,
+    return BACKEND.row(
+        version_text,
+        CAPABILITIES,
+        gpu_device_text("xpu", env.device_count),
+        problem=_unavailable_reason(env, choice),
+        ready=f"{env.device_count} GPU(s); attention: {choice.kind} ({choice.reason})",
+        warning=env.problem,
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from platform_core.plugins.interfaces import Backend, Capabilities
+from platform_core.backend_api import Backend, Capabilities
 from platform_core_conformance.batches import TORCH_DTYPES
 from platform_core_conformance.context import ConformanceContext
 from platform_core_conformance.generation import Reference

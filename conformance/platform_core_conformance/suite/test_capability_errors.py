@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from platform_core.errors import UnsupportedByBackendError
+from platform_core.backend_api import UnsupportedByBackendError
 from platform_core_conformance.context import ConformanceContext
 from platform_core_conformance.engine import generate_greedy, make_llm
 from platform_core_conformance.tiny_models import TinyModel

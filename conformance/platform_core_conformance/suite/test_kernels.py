@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from platform_core.plugins.interfaces import Backend
+from platform_core.backend_api import Backend
 from platform_core_conformance.batches import (
     PADDING_VALUE,
     AttentionShape,

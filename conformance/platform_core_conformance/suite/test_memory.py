@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from platform_core import SamplingParams
-from platform_core.plugins.interfaces import Backend, MemoryReport
+from platform_core.backend_api import Backend, MemoryReport
 from platform_core_conformance.batches import (
     AttentionShape,
     Seq,

@@ -13,8 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from platform_core.attention.reference import ReferenceAttentionOps
-from platform_core.plugins.interfaces import AttentionOps, Backend
+from platform_core.backend_api import AttentionOps, Backend, ReferenceAttentionOps
 from platform_core_conformance.batches import (
     AttentionCase,
     AttentionShape,

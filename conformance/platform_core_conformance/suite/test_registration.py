@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from platform_core.errors import BackendError
-from platform_core.layers.ops import resolve_ops
-from platform_core.plugins.hookspecs import api_compatible
+from platform_core.backend_api import BackendError, api_compatible, resolve_ops
 from platform_core_conformance.batches import TORCH_DTYPES
 from platform_core_conformance.context import ConformanceContext
 

@@ -11,7 +11,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from platform_core.plugins.interfaces import MemoryProfiler, MemoryReport
+from platform_core.backend_api import MemoryProfiler, MemoryReport
 
 SAMPLE_INTERVAL_S = 0.001
 

@@ -7,21 +7,25 @@ the memory profiler, the process-group backend and the capabilities you have tes
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-from typing import Any
-
 import torch
 
-from platform_core.attention.reference import ReferenceAttentionOps
-from platform_core.config import EngineConfig
-from platform_core.distributed.communicator import Communicator, TorchDistributedCommunicator
-from platform_core.plugins.hookspecs import hookimpl
-from platform_core.plugins.interfaces import Backend, BackendInfo, Capabilities
+from platform_core.backend_api import (
+    Backend,
+    BackendIdentity,
+    BackendInfo,
+    Capabilities,
+    EngineConfig,
+    ReferenceAttentionOps,
+    hookimpl,
+    installed_version,
+)
 from platform_core_template.memory import HostMemoryProfiler
 
-NAME = "template"
-DISTRIBUTION = "platform-core-backend-template"
-API_VERSION = (1, 0)  # the plugin contract this package implements
+# api_version: the plugin contract this package implements (PLUGIN_API_VERSION when written);
+# priority: below real backends, so "auto" never picks the template.
+BACKEND = BackendIdentity(
+    "template", "platform-core-backend-template", api_version=(1, 3), priority=-20
+)
 # Declare only what passes `platform-core conformance --backend template`.
 CAPABILITIES = Capabilities(
     dtypes=("float32", "bfloat16"),
@@ -31,46 +35,34 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _version() -> str:
-    try:
-        return version(DISTRIBUTION)
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 class TemplateBackend(Backend):
     """Runs on the CPU with the pure-torch reference attention (correct, slow)."""
 
-    # The torch.distributed backend the conformance suite starts for the collectives.
+    # The torch.distributed backend of the collectives (the default communicator runs on it;
+    # override communicator() only for collectives outside torch.distributed).
     process_group_backend = "gloo"
 
     def __init__(self) -> None:
-        self.name = NAME
+        self.name = BACKEND.name
         self.device = torch.device("cpu")  # yours: torch.device("<your device type>")
         self.capabilities = CAPABILITIES
         self.attention = ReferenceAttentionOps()  # yours: your paged-attention kernels
         self.memory = HostMemoryProfiler()  # yours: your allocator's statistics
 
-    def communicator(self, group: Any = None) -> Communicator:
-        return TorchDistributedCommunicator(group=group, device=self.device)
-
 
 @hookimpl
 def platform_core_backend_info() -> BackendInfo:
-    # Cheap and side-effect free: probe for the device (a count, a driver check), do not use it.
-    return BackendInfo(
-        name=NAME,
-        package=DISTRIBUTION,
-        version=_version(),
-        api_version=API_VERSION,
-        available=True,
-        reason="runs anywhere (reference attention on the CPU)",
-        priority=-20,  # below real backends, so "auto" never picks the template
+    # Cheap and side-effect free: probe for the device (a count, a driver check), do not use it;
+    # pass problem="why not, and what to do" when it cannot run here.
+    return BACKEND.row(
+        installed_version(BACKEND.package),
+        CAPABILITIES,
         device="cpu (reference ops)",
-        capabilities=CAPABILITIES,
+        problem=None,
+        ready="runs anywhere (reference attention on the CPU)",
     )
 
 
 @hookimpl
 def platform_core_create_backend(name: str, config: EngineConfig) -> Backend | None:
-    return TemplateBackend() if name == NAME else None
+    return TemplateBackend() if name == BACKEND.name else None

@@ -19,10 +19,16 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from platform_core.plugins.identity import installed_version
+from platform_core.plugins.interfaces import Capabilities
+
 # What the shared kernels are tested for; GPU backends declare these unless they narrow them.
-KERNEL_DTYPES = ("float16", "bfloat16", "float32")
-KERNEL_HEAD_SIZES = (64, 96, 128, 256)
-KERNEL_BLOCK_SIZES = (16, 32, 64)
+KERNEL_CAPABILITIES = Capabilities(
+    dtypes=("float16", "bfloat16", "float32"),
+    head_sizes=(64, 96, 128, 256),
+    block_sizes=(16, 32, 64),
+    features=("prefix_caching", "chunked_prefill"),
+)
 
 
 def triton_installed() -> bool:
@@ -30,6 +36,12 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def interpreting() -> bool:
+def triton_version(*distributions: str) -> str | None:
+    """The installed version of Triton, from the first of ``distributions`` (the builds name
+    it differently) found installed, or ``None`` when ``triton`` cannot be imported."""
+    return installed_version(*distributions) if triton_installed() else None
+
+
+def triton_interpreting() -> bool:
     """Whether Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

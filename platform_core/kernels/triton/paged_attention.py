@@ -19,13 +19,13 @@ import triton
 import triton.language as tl
 
 from platform_core.attention.metadata import AttentionMetadata
-from platform_core.kernels.triton import interpreting
+from platform_core.kernels.triton import triton_interpreting
 from platform_core.kernels.triton.launch import AttentionPlan, LaunchParams, plan_attention
 from platform_core.kernels.triton.split_kv import combine_splits
 
 _LOG2E = 1.4426950408889634
 # Read once, as triton.jit does when it decorates the kernels below.
-_INTERPRETED = interpreting()
+_INTERPRETED = triton_interpreting()
 
 
 @triton.jit

@@ -1,4 +1,8 @@
-"""Hook implementations of the dummy backend: the reference ops, a fixed memory report."""
+"""Hook implementations of the dummy backend: the reference ops, a fixed memory report.
+
+It implements plugin API 1.0, older than the core's, to keep that case tested: it sets no field
+later minors added and writes its own ``communicator()``, which 1.0 required.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,18 @@ from typing import Any
 
 import torch
 
-from platform_core.attention.reference import ReferenceAttentionOps
-from platform_core.config import EngineConfig
-from platform_core.plugins.hookspecs import hookimpl
-from platform_core.plugins.interfaces import (
+from platform_core.backend_api import (
     Backend,
     BackendInfo,
     Capabilities,
+    Communicator,
     ConfigAdjustment,
+    EngineConfig,
     MemoryProfiler,
     MemoryReport,
+    ReferenceAttentionOps,
+    TorchDistributedCommunicator,
+    hookimpl,
 )
 
 CAPABILITIES = Capabilities(dtypes=("float32",), head_sizes=(16, 32, 64), block_sizes=(8, 32))
@@ -40,9 +46,7 @@ class DummyBackend(Backend):
         self.attention = ReferenceAttentionOps()
         self.memory = FixedMemoryProfiler()
 
-    def communicator(self, group: Any = None):
-        from platform_core.distributed.communicator import TorchDistributedCommunicator
-
+    def communicator(self, group: Any = None) -> Communicator:
         return TorchDistributedCommunicator(group=group, device=self.device)
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
