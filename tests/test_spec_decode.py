@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from platform_core import LLM, SamplingParams
+from platform_core.sample.draft_verify import DraftGroup, verify
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.sampler import Sampler
 from platform_core.speculative.ngram import NgramProposer
-from platform_core.speculative.verify import DraftGroup, verify
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():

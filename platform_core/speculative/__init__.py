@@ -1,1 +1,2 @@
-"""Speculative decoding: cheap proposals verified by the target model in one forward pass."""
+"""Speculative decoding: cheap proposals (prompt lookup, a draft model), verified by the target
+model in one forward pass (the verification itself is sampling: ``sample/draft_verify.py``)."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from platform_core.layers.argmax import ArgmaxFn, row_argmax
+from platform_core.sample.draft_verify import DraftGroup, verify
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.sampler import Sampler, compute_logprobs
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from platform_core.speculative.verify import DraftGroup, verify
 from platform_core.worker.step_plan import StepPlan
 
 
