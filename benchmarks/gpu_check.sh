@@ -62,7 +62,7 @@ run install 120 "$PY" -m pip install --no-deps --no-build-isolation "${packages[
 
 cli=("$PY" -m platform_core.cli.main)
 run tests 150 env PLATFORM_CORE_KERNEL_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_triton_kernels.py tests/test_gpu_backends.py tests/test_gpu_runtime.py
+    tests/test_triton_kernels.py tests/test_triton_aot.py tests/test_gpu_backends.py tests/test_gpu_runtime.py
 
 run conformance 150 "${cli[@]}" conformance --backend cuda --report "$LOGS/conformance.json"
 

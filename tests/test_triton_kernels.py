@@ -6,30 +6,26 @@ line and the tests here assert on it. ``PLATFORM_CORE_KERNEL_DEVICE=cuda`` runs 
 compiled on a real GPU instead (``benchmarks/gpu_check.sh``).
 
 Each case scatters fresh K/V into a cache full of random stale data with the kernel and with the
-reference (the caches must match exactly), then compares attention. A second child compiles the
-kernels ahead of time for NVIDIA sm_80/sm_90 and AMD gfx942 with the cuda and rocm backends'
-launch parameters: the interpreter runs Python, so only the compiler catches code it rejects, and
-shared memory is checked against each target's limit. The launch-planning rules are plain Python
-and tested in ``test_triton_launch_plan.py``.
+reference (the caches must match exactly), then compares attention. The kernels compiled for real
+GPU targets are checked in ``test_triton_aot.py``; the launch-planning rules are plain Python and
+tested in ``test_triton_launch_plan.py``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import pytest
 import torch
+from json_child import collect, start_child
 
 from platform_core.kernels.triton import triton_installed
 from platform_core.kernels.triton.launch import LaunchParams, plan_attention
 
 DEVICE_ENV = "PLATFORM_CORE_KERNEL_DEVICE"
-CHILD_TIMEOUT_S = 300
 SMALL_TILES = LaunchParams(block_m=16, block_n=16)  # few programs and steps: fast interpreting
 
 
@@ -106,38 +102,6 @@ CASES = {
         params=LaunchParams(block_m=16, block_n=16, target_programs=64, split_min_tokens=16),
     ),
 }
-
-
-@dataclass(frozen=True)
-class AotVariant:
-    """A batch shape compiled for ``target`` with ``backend``'s launch parameters."""
-
-    target: str
-    backend: str
-    num_seqs: int
-    max_query_len: int
-    max_seq_len: int
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    block_size: int
-    dtype: str
-
-
-AOT_VARIANTS = {
-    "sm90_prefill_fp16_gqa4_head128": AotVariant("sm_90", "cuda", 64, 512, 4096, 32, 8, 128, 16,
-                                                 "float16"),
-    "sm90_decode_split_bf16_group3_head64": AotVariant("sm_90", "cuda", 4, 1, 8192, 9, 3, 64, 16,
-                                                       "bfloat16"),
-    "sm80_prefill_bf16_group8_head256_block64": AotVariant("sm_80", "cuda", 64, 256, 2048, 64, 8,
-                                                           256, 64, "bfloat16"),
-    "sm80_decode_fp32_mha_head128_block32": AotVariant("sm_80", "cuda", 8, 1, 4096, 16, 16, 128,
-                                                       32, "float32"),
-    "gfx942_prefill_fp16_gqa4_head128": AotVariant("gfx942", "rocm", 64, 512, 4096, 32, 8, 128,
-                                                   16, "float16"),
-    "gfx942_decode_split_bf16_head96": AotVariant("gfx942", "rocm", 4, 1, 8192, 32, 8, 96, 32,
-                                                  "bfloat16"),
-}  # fmt: skip
 
 
 def build_batch(case: Case, seed: int = 0):
@@ -269,66 +233,6 @@ def run_empty_batch(device: str) -> dict:
     return {"shape": list(out.shape), "cache_untouched": bool((cache == 0).all())}
 
 
-def compile_variant(variant: AotVariant, params: LaunchParams) -> dict:
-    """Compile the kernels one batch of ``variant`` launches; their shared memory and fit."""
-    from platform_core.kernels.triton import aot
-
-    dtype = getattr(torch, variant.dtype)
-    plan = plan_attention(
-        num_seqs=variant.num_seqs,
-        max_query_len=variant.max_query_len,
-        max_seq_len=variant.max_seq_len,
-        num_heads=variant.num_heads,
-        num_kv_heads=variant.num_kv_heads,
-        head_size=variant.head_size,
-        dtype=dtype,
-        params=params,
-        interpret=False,
-    )
-    group = variant.num_heads // variant.num_kv_heads
-    compiled = [
-        aot.compile_attention(
-            variant.target, dtype, plan, variant.head_size, group, variant.block_size, params
-        ),
-        aot.compile_write_kv(
-            variant.target,
-            dtype,
-            variant.block_size,
-            variant.num_kv_heads,
-            variant.head_size,
-            params,
-        ),
-    ]
-    if plan.num_splits > 1:
-        compiled.append(
-            aot.compile_combine(
-                variant.target, dtype, plan.num_splits, variant.head_size, plan.head_pad, params
-            )
-        )
-    return {
-        "num_splits": plan.num_splits,
-        "shared": {c.kernel: c.shared_bytes for c in compiled},
-        "fits": all(c.fits for c in compiled),
-    }
-
-
-def _aot_main() -> None:
-    try:
-        from platform_core_cuda.plugin import cuda_launch_params
-        from platform_core_rocm.plugin import rocm_launch_params
-    except ImportError as exc:
-        print(json.dumps({"skipped": f"the cuda and rocm backends are not installed: {exc}"}))
-        return
-    params = {"cuda": cuda_launch_params(num_sms=132), "rocm": rocm_launch_params(304)}
-    results = {}
-    for name, variant in AOT_VARIANTS.items():
-        try:
-            results[name] = compile_variant(variant, params[variant.backend])
-        except Exception as exc:  # reported per variant, asserted by the test
-            results[name] = {"error": repr(exc)[-3000:]}
-    print(json.dumps(results))
-
-
 def _child_main() -> None:
     device = os.environ.get(DEVICE_ENV, "cpu")
     results = {name: run_case(case, device) for name, case in CASES.items()}
@@ -337,50 +241,17 @@ def _child_main() -> None:
     print(json.dumps(results))
 
 
-def _start_child(mode: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, __file__, mode],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _collect(child: subprocess.Popen, what: str) -> dict:
-    try:
-        stdout, stderr = child.communicate(timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        raise AssertionError(f"{what} child ran past {CHILD_TIMEOUT_S} s") from None
-    assert child.returncode == 0, f"{what} child failed:\n{stderr[-4000:]}"
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
-def child_results() -> dict[str, dict]:
-    """Both children, run side by side: the kernel cases (interpreter, or a GPU) and AOT."""
+def kernel_results() -> dict:
+    """The kernel cases, run in a child under the interpreter (or on a GPU)."""
     if not triton_installed():
         pytest.skip("triton is not installed (pip install triton==3.7.1)")
     device = os.environ.get(DEVICE_ENV, "cpu")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env[DEVICE_ENV] = device
-    cases = _start_child("cases", {**env, "TRITON_INTERPRET": "1"} if device == "cpu" else env)
-    compiled = _start_child("aot", env)
-    return {"cases": _collect(cases, "kernel"), "aot": _collect(compiled, "compile")}
-
-
-@pytest.fixture(scope="module")
-def kernel_results(child_results: dict[str, dict]) -> dict:
-    return child_results["cases"]
-
-
-@pytest.fixture(scope="module")
-def aot_results(child_results: dict[str, dict]) -> dict:
-    if "skipped" in child_results["aot"]:
-        pytest.skip(child_results["aot"]["skipped"])
-    return child_results["aot"]
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    return collect(start_child(__file__, "cases", env), "kernel")
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -407,17 +278,5 @@ def test_empty_batch_is_a_no_op(kernel_results: dict) -> None:
     assert kernel_results["empty_batch"] == {"shape": [0, 2, 64], "cache_untouched": True}
 
 
-@pytest.mark.parametrize("name", list(AOT_VARIANTS))
-def test_kernels_compile_for_each_backend_target(aot_results: dict, name: str) -> None:
-    result = aot_results[name]
-    assert "error" not in result, result.get("error")
-    assert result["fits"], f"{name} needs more shared memory than the target has: {result}"
-
-
-def test_aot_variants_cover_the_split_path(aot_results: dict) -> None:
-    assert aot_results["sm90_decode_split_bf16_group3_head64"]["num_splits"] > 1
-    assert "_combine_kernel" in aot_results["gfx942_decode_split_bf16_head96"]["shared"]
-
-
 if __name__ == "__main__":
-    _aot_main() if sys.argv[1:] == ["aot"] else _child_main()
+    _child_main()
