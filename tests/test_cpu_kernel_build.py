@@ -24,7 +24,7 @@ def test_real_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     assert str(tmp_path) in str(kernels.cache_dir())
 
 
-def test_build_key_tracks_sources_and_level(monkeypatch, tmp_path):
+def test_build_key_tracks_sources_builder_and_level(monkeypatch, tmp_path):
     key = kernels.build_key("generic")
     assert key == kernels.build_key("generic")
     assert key != kernels.build_key("avx2")
@@ -32,7 +32,12 @@ def test_build_key_tracks_sources_and_level(monkeypatch, tmp_path):
         (tmp_path / name).write_bytes((kernels.CSRC / name).read_bytes())
     (tmp_path / "ops.cpp").write_text("// changed\n", encoding="utf-8")
     monkeypatch.setattr(kernels, "CSRC", tmp_path)
-    assert kernels.build_key("generic") != key
+    changed_source = kernels.build_key("generic")
+    assert changed_source != key
+    builder = tmp_path / "kernels.py"
+    builder.write_text(Path(kernels.__file__).read_text() + "# another builder\n")
+    monkeypatch.setattr(kernels, "__file__", str(builder))
+    assert kernels.build_key("generic") != changed_source
 
 
 def test_a_stale_torch_lock_is_removed_under_our_lock(tmp_path: Path) -> None:

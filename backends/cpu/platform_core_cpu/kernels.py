@@ -3,11 +3,11 @@
 The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension``, once per ISA level
 (:mod:`platform_core_cpu.isa`) with that level's flags, into a build folder under
 ``$PLATFORM_CORE_CACHE/kernels`` (default ``~/.cache/platform-core/kernels``) named by a hash of
-the sources, the flags, the torch version and the host CPU, so a build is reused by every later
-process and a changed source or machine gets a fresh one. Each level registers its ops in its own
-namespace, ``torch.ops.platform_core_cpu_<level>.{paged_attention, write_kv, rms_norm,
-silu_and_mul, rotary, linear_bf16, argmax_rows}``, so one process can load several levels (the
-tests check every level the CPU runs against the reference).
+the sources, the flags, this module, the torch version and the host CPU, so a build is reused by
+every later process and a changed source or machine gets a fresh one. Each level registers its
+ops in its own namespace, ``torch.ops.platform_core_cpu_<level>.{paged_attention, write_kv,
+rms_norm, silu_and_mul, rotary, linear_bf16, argmax_rows}``, so one process can load several
+levels (the tests check every level the CPU runs against the reference).
 """
 
 from __future__ import annotations
@@ -88,8 +88,12 @@ def _cflags(level: str) -> list[str]:
 
 
 def build_key(level: str) -> str:
-    """Hash naming one build: sources, flags, torch/python versions and the host CPU."""
-    digest = hashlib.sha256()
+    """Hash naming one build: sources, flags, this builder, torch/python versions and the CPU.
+
+    This module is hashed too, so processes that build differently (e.g. another release's
+    locking) never share a build folder.
+    """
+    digest = hashlib.sha256(Path(__file__).read_bytes())
     for name in (*SOURCES, *HEADERS):
         digest.update(name.encode())
         digest.update((CSRC / name).read_bytes())
