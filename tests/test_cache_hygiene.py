@@ -4,19 +4,25 @@ compiled CPU kernels (builds killed by SIGTERM or SIGKILL, damaged libraries).""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from gguf_utils import write_tiny_gguf
+from platform_core_cpu import kernels
+from platform_core_cpu.isa import host_isa
 from safetensors.torch import load_file
 
 from platform_core.errors import ModelLoadError
@@ -223,3 +229,113 @@ def test_an_unusable_cache_folder_is_a_clear_error(tmp_path: Path) -> None:
     not_a_folder.write_text("")
     with pytest.raises(ModelLoadError, match=f"cannot materialize a.gguf .*{CACHE_ENV}"):
         materialize_gguf(path, cache_dir=not_a_folder)
+
+
+# What a start does with the kernels, checked by running one of the compiled ops.
+_LOAD_KERNELS = """
+import sys, torch
+from platform_core_cpu.kernels import load_kernels
+build = load_kernels(sys.argv[1])
+assert build.ops is not None, build.reason
+x = torch.randn(8, 300)
+assert torch.equal(build.ops.argmax_rows(x).long(), x.argmax(-1)), "wrong argmax"
+"""
+_BUILD_S = 600  # a full compile takes 1-2 min on 2 busy cores
+
+
+def _kernel_build(cache_root: Path) -> tuple[str, Path]:
+    """(host ISA level, its build folder under ``cache_root``)."""
+    level = host_isa().level
+    return level, cache_root / "kernels" / f"platform_core_cpu_{level}_{kernels.build_key(level)}"
+
+
+def _start(level: str, cache_root: Path) -> subprocess.Popen[str]:
+    """A start that loads the kernels, in its own process group (as a service manager runs it)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _LOAD_KERNELS, level],
+        env={**os.environ, CACHE_ENV: str(cache_root)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = _BUILD_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_compiles_killed_by_sigterm_and_sigkill_do_not_wedge_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """A real compile is killed twice (its whole process group: Python, ninja and the compilers),
+    each time leaving torch's lock file, which used to hang every later start; the third start
+    discards the half-written build, compiles and loads."""
+    level, build_dir = _kernel_build(tmp_path)
+    torch_lock = build_dir / "lock"
+    delay = random.uniform(0.0, 2.0)
+    began = time.time()
+
+    def an_object_written_by_this_start() -> bool:
+        return any(p.stat().st_mtime >= began for p in build_dir.glob("*.o"))
+
+    kill_points: list[tuple[signal.Signals, Callable[[], bool], str]] = [
+        (signal.SIGTERM, torch_lock.exists, f"torch's lock, then {delay:.2f} s"),
+        (signal.SIGKILL, an_object_written_by_this_start, "the first object file"),
+    ]
+    for sig, ready, what in kill_points:
+        began = time.time()
+        proc = _start(level, tmp_path)
+        try:
+            _wait_for(lambda ready=ready, proc=proc: ready() or proc.poll() is not None, what)
+            if sig == signal.SIGTERM:
+                time.sleep(delay)
+            assert proc.poll() is None, f"the start ended before {what}: {proc.communicate()[0]}"
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+            _wait_for(lambda proc=proc: not _group_alive(proc.pid), "the build to stop", 10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        assert torch_lock.exists(), f"{sig.name} at {what} left no lock to break"
+
+    last = _start(level, tmp_path)
+    output, _ = last.communicate(timeout=_BUILD_S)
+    assert last.returncode == 0, output
+    assert "removing a stale build lock" in output, output
+    assert "discarded the build" in output, output
+    assert not torch_lock.exists()
+    assert kernels.build_problem(build_dir, build_dir / f"{build_dir.name}.so") is None
+
+
+def test_a_damaged_library_is_rebuilt_not_given_up_on(tmp_path: Path) -> None:
+    """A truncated .so used to be loaded as it was (ninja sees it newer than its objects), which
+    crashed every later start with SIGBUS; it is now discarded and rebuilt."""
+    level, built = _kernel_build(kernels.cache_dir().parent)
+    assert kernels.load_kernels(level).ops is not None
+    _, build_dir = _kernel_build(tmp_path)
+    shutil.copytree(built, build_dir)
+    library = build_dir / f"{build_dir.name}.so"
+    good_size = library.stat().st_size
+    with library.open("r+b") as f:
+        f.truncate(good_size // 2)
+    assert "changed since it last loaded" in kernels.build_problem(build_dir, library)
+
+    result = _start(level, tmp_path)
+    output, _ = result.communicate(timeout=_BUILD_S)
+    assert result.returncode == 0, output
+    assert "discarded the build" in output
+    assert library.stat().st_size == good_size
+    assert kernels.build_problem(build_dir, library) is None
