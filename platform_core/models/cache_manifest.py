@@ -64,7 +64,7 @@ def manifest_problem(folder: Path, checksums: bool = False) -> str | None:
             return f"{name} has {path.stat().st_size} bytes, manifest says {entry['size']}"
         stamps[name] = _stamp(path, entry["sha256"])
         if verified.get(name) != stamps[name] and _sha256(path) != entry["sha256"]:
-            return f"{name} does not match its sha256 (its content changed since it was written)"
+            return f"{name} does not match its sha256: its content changed since it was written"
     if stamps != verified:
         _write_stamp(folder, stamps)
     return None
