@@ -209,13 +209,15 @@ def test_content_is_hashed_once_per_file_change(
     assert hashed == []
 
 
-def test_a_stamp_that_cannot_be_written_means_hashing_every_time(
+def test_a_cache_whose_stamp_and_lock_cannot_be_written_is_still_used(
     cache: Path, tmp_path: Path, hashed: list[str]
 ) -> None:
+    """As in a read-only cache: served unlocked, hashed on every lookup."""
     path = write_tiny_gguf(tmp_path / "a.gguf")
     folder = materialize_gguf(path)
-    (folder / STAMP_NAME).unlink()
-    (folder / STAMP_NAME).mkdir()  # cannot be replaced by a file, as in a read-only cache
+    for name in (folder / STAMP_NAME, folder.with_name(f".{folder.name}.lock")):
+        name.unlink()
+        name.mkdir()  # cannot be opened or replaced as a file
     for _ in range(2):
         hashed.clear()
         assert materialize_gguf(path) == folder
