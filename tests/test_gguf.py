@@ -20,12 +20,9 @@ from gguf_utils import file_identity, transformers_gguf
 from safetensors.torch import load_file
 
 from platform_core.errors import ModelLoadError
+from platform_core.models.cache_manifest import manifest_problem
 from platform_core.models.gguf_convert import hf_tensor_name
-from platform_core.models.gguf_loader import (
-    CACHE_ENV,
-    manifest_problem,
-    materialize_gguf,
-)
+from platform_core.models.gguf_loader import CACHE_ENV, materialize_gguf
 from platform_core.models.packaged import PACKAGED_MODELS, locate_packaged_model
 from platform_core.models.resolve import resolve_model_path
 

@@ -24,13 +24,9 @@ from gguf_utils import (
 from safetensors.torch import load_file
 
 from platform_core.errors import ModelLoadError
+from platform_core.models.cache_manifest import MANIFEST_NAME, manifest_problem
 from platform_core.models.gguf_convert import gguf_config, gguf_state_dict
-from platform_core.models.gguf_loader import (
-    CACHE_ENV,
-    MANIFEST_NAME,
-    manifest_problem,
-    materialize_gguf,
-)
+from platform_core.models.gguf_loader import CACHE_ENV, materialize_gguf
 from platform_core.models.resolve import resolve_model_path
 
 LOGGER = "platform_core.models"
@@ -74,8 +70,8 @@ def test_materialized_tiny_dir_layout(tiny_cache: tuple[Path, Path], tmp_path: P
         "generation_config.json",
         "model.safetensors",
     ]
-    # Only the published folder remains: no temporary or stale siblings.
-    assert os.listdir(folder.parent) == [folder.name]
+    # Only the published folder and its entry lock remain: no temporary or stale siblings.
+    assert sorted(os.listdir(folder.parent)) == [f".{folder.name}.lock", folder.name]
     # A changed source file (new mtime) gets its own cache folder.
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     assert materialize_gguf(path) != folder
@@ -108,6 +104,7 @@ def test_damaged_cache_is_detected_and_rebuilt(
 
 
 def test_checksums_catch_same_size_corruption(tiny_cache: tuple[Path, Path]) -> None:
+    """A rewritten file is hashed again at the next lookup, so same-size damage is caught."""
     _, folder = tiny_cache
     weights = folder / "model.safetensors"
     with weights.open("r+b") as f:
@@ -115,7 +112,7 @@ def test_checksums_catch_same_size_corruption(tiny_cache: tuple[Path, Path]) -> 
         last = f.read(4)
         f.seek(-4, os.SEEK_END)
         f.write(bytes(b ^ 0xFF for b in last))
-    assert manifest_problem(folder) is None
+    assert "sha256" in manifest_problem(folder)
     assert "sha256" in manifest_problem(folder, checksums=True)
 
 
@@ -126,7 +123,7 @@ def test_unsupported_architecture_is_named_and_leaves_no_debris(
     path = write_tiny_gguf(tmp_path / "odd.gguf", arch="phi3")
     with pytest.raises(ModelLoadError, match="'phi3' is not supported"):
         materialize_gguf(path)
-    assert os.listdir(tmp_path / "cache" / "gguf") == []
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir() if p.is_dir()] == []
 
 
 def test_not_a_gguf_file(tmp_path: Path) -> None:
@@ -144,4 +141,4 @@ def test_resolve_hf_dir_and_gguf_file(
     assert resolve_model_path(path) == folder
     hf_dir = tiny_model_dir("llama")
     assert resolve_model_path(str(hf_dir)) == hf_dir
-    assert os.listdir(tmp_path / "cache" / "gguf") == [folder.name]
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir() if p.is_dir()] == [folder.name]

@@ -4,10 +4,12 @@ The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension``, on
 (:mod:`platform_core_cpu.isa`) with that level's flags, into a build folder under
 ``$PLATFORM_CORE_CACHE/kernels`` (default ``~/.cache/platform-core/kernels``) named by a hash of
 the sources, the flags, this module, the torch version and the host CPU, so a build is reused by
-every later process and a changed source or machine gets a fresh one. Each level registers its
-ops in its own namespace, ``torch.ops.platform_core_cpu_<level>.{paged_attention, write_kv,
-rms_norm, silu_and_mul, rotary, linear_bf16, argmax_rows}``, so one process can load several
-levels (the tests check every level the CPU runs against the reference).
+every later process and a changed source or machine gets a fresh one. A build is reused only
+when its library still has the sha256 recorded when it last loaded; an interrupted build (no
+record) or a damaged library is discarded and compiled again (:func:`build_problem`). Each level
+registers its ops in its own namespace, ``torch.ops.platform_core_cpu_<level>.{paged_attention,
+write_kv, rms_norm, silu_and_mul, rotary, linear_bf16, argmax_rows}``, so one process can load
+several levels (the tests check every level the CPU runs against the reference).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -44,6 +47,9 @@ SOURCES = (
 HEADERS = ("cpu_kernels.h", "vec_math.h")
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+_LOCK_NAME = ".platform-core-build.lock"
+# sha256 of the library as it last loaded: a build without it never finished (or predates it).
+_LOADED_NAME = ".platform-core-loaded.sha256"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,21 +117,40 @@ def build_lock(build_dir: Path) -> Iterator[None]:
     holder dies, and every platform-core process takes this one first, so a ``lock`` file found
     while holding it is stale and is removed.
     """
-    with (build_dir / ".platform-core-build.lock").open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with (build_dir / _LOCK_NAME).open("w") as handle:
         try:
-            stale = build_dir / "lock"
-            if stale.exists():
-                logger.warning("removing a stale build lock left by a killed build: %s", stale)
-                stale.unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process building the CPU kernels in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing a stale build lock left by a killed build: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
+def build_problem(build_dir: Path, library: Path) -> str | None:
+    """Why the build in ``build_dir`` cannot be reused as it is, or None.
+
+    A build is reusable when ``library`` still has the sha256 recorded after it last loaded
+    (a few ms for a few MB). Anything else (no record: an interrupted build, whose objects or
+    ``build.ninja`` may be half-written; a changed or truncated library) is built from scratch.
+    """
+    try:
+        recorded = (build_dir / _LOADED_NAME).read_text().strip()
+    except OSError:
+        return "no build finished there"
+    if not library.is_file():
+        return f"{library.name} is missing"
+    if recorded != _sha256(library):
+        return f"{library.name} changed since it last loaded"
+    return None
 
 
 @functools.cache
 def load_kernels(level: str) -> KernelBuild:
-    """Build (when no cached build matches) and load the kernels of ISA ``level`` once per
+    """Build (when no verified build matches) and load the kernels of ISA ``level`` once per
     process.
 
     Never raises: a failed build is reported through ``KernelBuild.reason`` so the caller can
@@ -137,10 +162,14 @@ def load_kernels(level: str) -> KernelBuild:
 
         name = f"platform_core_cpu_{level}_{build_key(level)}"
         build_dir = cache_dir() / name
+        library = build_dir / f"{name}.so"
         build_dir.mkdir(parents=True, exist_ok=True)
-        if not (build_dir / f"{name}.so").exists():
-            logger.info("compiling the CPU kernels (%s) once, into %s", level, build_dir)
         with build_lock(build_dir):
+            problem = build_problem(build_dir, library)
+            if problem is not None:
+                if _clear(build_dir):
+                    logger.warning("discarded the build in %s: %s", build_dir, problem)
+                logger.info("compiling the CPU kernels (%s) once, into %s", level, build_dir)
             cpp_extension.load(
                 name=name,
                 sources=[str(CSRC / source) for source in SOURCES],
@@ -149,6 +178,8 @@ def load_kernels(level: str) -> KernelBuild:
                 build_directory=str(build_dir),
                 is_python_module=False,
             )
+            # Recorded even for a reused build: ninja may have relinked it (newer sources).
+            (build_dir / _LOADED_NAME).write_text(_sha256(library) + "\n")
     except Exception as exc:  # any build or load failure means "use the fallback"
         lines = str(exc).strip().splitlines() or [""]
         # A build error's first line is the ninja command; the compiler's own error line says why.
@@ -156,3 +187,19 @@ def load_kernels(level: str) -> KernelBuild:
         reason = f"{type(exc).__name__}: {detail.strip()[:300]}"
         return KernelBuild(None, reason, time.perf_counter() - start)
     return KernelBuild(getattr(torch.ops, namespace(level)), "", time.perf_counter() - start)
+
+
+def _clear(build_dir: Path) -> int:
+    """Remove every build output, unlinked so that processes which mapped the library keep
+    theirs; returns how many entries there were."""
+    outputs = [path for path in build_dir.iterdir() if path.name != _LOCK_NAME]
+    for path in outputs:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return len(outputs)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
