@@ -10,11 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from platform_core.config import EngineConfig
 from platform_core.engine.async_engine import AsyncEngine
-from platform_core.entrypoints.openai.api_server import build_app
+from platform_core.entrypoints.openai.api_server import ServerSettings, build_app, make_server
+from platform_core.entrypoints.openai.limits import default_allowed_hosts
 
 MODEL_NAME = "tiny-chat"
 ENGINE_KEYS: dict[str, Any] = {
@@ -33,13 +32,25 @@ def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
 
 
 @contextmanager
-def live_server(engine: AsyncEngine, name: str = MODEL_NAME, **app_kwargs: Any) -> Iterator[str]:
-    """Serve ``engine`` on a free 127.0.0.1 port in a background thread; yield the base URL."""
+def live_server(
+    engine: AsyncEngine,
+    name: str = MODEL_NAME,
+    settings: ServerSettings | None = None,
+    **app_kwargs: Any,
+) -> Iterator[str]:
+    """Serve ``engine`` on a free 127.0.0.1 port in a background thread; yield the base URL.
+
+    The server is the one ``serve`` runs (``make_server``), with the Host allow-list a loopback
+    server gets by default; ``settings`` default to ``serve``'s except that a dead engine does
+    not stop the server (tests inspect it afterwards).
+    """
+    app_kwargs.setdefault("allowed_hosts", default_allowed_hosts("127.0.0.1"))
     app = build_app(engine, name, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    settings = settings or ServerSettings(log_level="warning", exit_on_engine_death=False)
+    server = make_server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
