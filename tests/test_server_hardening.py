@@ -439,3 +439,25 @@ def test_serve_exits_non_zero_when_the_engine_dies(text_model_dir, tmp_path):
         assert "the engine stopped serving" in log and "worker 1 died" in log
     finally:
         served.stop()
+
+
+def test_a_stream_ended_for_backpressure_sends_an_error_event_then_done():
+    import asyncio
+
+    from platform_core.entrypoints.openai.protocol import CompletionChoice, CompletionResponse
+    from platform_core.entrypoints.openai.serving_base import event_stream
+    from platform_core.errors import StreamBackpressureError
+
+    async def chunks():
+        yield CompletionResponse(
+            id="c", created=0, model="m", choices=[CompletionChoice(index=0, text="a")]
+        )
+        raise StreamBackpressureError("the client stopped reading for 30 s")
+
+    async def body() -> list[str]:
+        return [part async for part in event_stream(chunks()).body_iterator]
+
+    events = asyncio.run(body())
+    assert len(events) == 3 and events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[1].removeprefix("data: "))["error"]
+    assert "stopped reading" in error["message"] and error["code"] == "request_failed"

@@ -18,7 +18,21 @@ from platform_core.entrypoints.openai.limits import (
 
 
 def _hosts(text: str) -> list[str]:
-    return [h.strip() for h in text.split(",") if h.strip()]
+    hosts = [h.strip() for h in text.split(",") if h.strip()]
+    if not hosts:
+        raise argparse.ArgumentTypeError("give at least one host name, or '*'")
+    return hosts
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -68,7 +82,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-prompts-per-request",
-        type=int,
+        type=_positive(int),
         default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
         help="more prompts in one completions request get 400, before any is tokenized "
         f"(default: {DEFAULT_MAX_PROMPTS_PER_REQUEST}: room for batch clients, while one "
@@ -76,14 +90,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-choices-per-request",
-        type=int,
+        type=_positive(int),
         default=DEFAULT_MAX_CHOICES_PER_REQUEST,
         help="n x prompts above this get 400: each is a sequence competing with other "
         f"clients' (default: {DEFAULT_MAX_CHOICES_PER_REQUEST})",
     )
     serve.add_argument(
         "--max-token-id-list-length",
-        type=int,
+        type=_positive(int),
         default=DEFAULT_MAX_TOKEN_ID_LIST_LENGTH,
         help="longer allowed_token_ids, stop_token_ids or logit_bias get 400: they cost every "
         f"step of the batch (default: {DEFAULT_MAX_TOKEN_ID_LIST_LENGTH}; prompt token ids are "
@@ -91,7 +105,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--read-timeout",
-        type=float,
+        type=_positive(float),
         default=DEFAULT_READ_TIMEOUT,
         help="seconds a client has to send a whole request (headers and body) from its first "
         "byte or from connecting; slower connections are closed (default: "
@@ -100,7 +114,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--tokenizer-threads",
-        type=int,
+        type=_positive(int),
         default=DEFAULT_TOKENIZER_THREADS,
         help="worker threads that tokenize, render chat templates and detokenize requests off "
         f"the event loop (default: {DEFAULT_TOKENIZER_THREADS})",
@@ -117,7 +131,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--exit-on-engine-death",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="exit with status 3 within a second once the engine stops serving (its loop or a "
+        help="exit with status 3 within a few seconds once the engine stops serving (its loop or a "
         "worker died), so a supervisor (systemd, k8s, docker --restart) restarts the server; "
         "with --no-exit-on-engine-death it stays up answering 503 (default: on)",
     )
