@@ -1,20 +1,26 @@
-"""Helpers for the server tests: a tiny text model's engine config and a live loopback server."""
+"""Helpers for the server tests: a tiny text model's engine config, a live loopback server in a
+thread, and ``serve`` as a real process."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import uvicorn
+import httpx
 
 from platform_core.config import EngineConfig
 from platform_core.engine.async_engine import AsyncEngine
-from platform_core.entrypoints.openai.api_server import build_app
+from platform_core.entrypoints.openai.api_server import ServerSettings, build_app, make_server
+from platform_core.entrypoints.openai.limits import default_allowed_hosts
 
 MODEL_NAME = "tiny-chat"
 ENGINE_KEYS: dict[str, Any] = {
@@ -33,13 +39,25 @@ def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
 
 
 @contextmanager
-def live_server(engine: AsyncEngine, name: str = MODEL_NAME, **app_kwargs: Any) -> Iterator[str]:
-    """Serve ``engine`` on a free 127.0.0.1 port in a background thread; yield the base URL."""
+def live_server(
+    engine: AsyncEngine,
+    name: str = MODEL_NAME,
+    settings: ServerSettings | None = None,
+    **app_kwargs: Any,
+) -> Iterator[str]:
+    """Serve ``engine`` on a free 127.0.0.1 port in a background thread; yield the base URL.
+
+    The server is the one ``serve`` runs (``make_server``), with the Host allow-list a loopback
+    server gets by default; ``settings`` default to ``serve``'s except that a dead engine does
+    not stop the server (tests inspect it afterwards).
+    """
+    app_kwargs.setdefault("allowed_hosts", default_allowed_hosts("127.0.0.1"))
     app = build_app(engine, name, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    settings = settings or ServerSettings(log_level="warning", exit_on_engine_death=False)
+    server = make_server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -65,3 +83,61 @@ def engine_idle(engine: AsyncEngine) -> bool:
     """No request left in the engine and every KV block back in the pool."""
     stats = engine.stats()
     return stats["num_running"] + stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
+
+
+# What ``platform-core serve`` runs once the subcommand is wired into the main CLI; this calls
+# the same parser function without depending on that wiring. ``{prelude}`` is test code run
+# first (fault injection).
+SERVE = """
+import argparse, sys
+{prelude}
+from platform_core.cli.serve import add_serve_parser
+parser = argparse.ArgumentParser()
+add_serve_parser(parser.add_subparsers())
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.func(args))
+"""
+
+
+@dataclass
+class Served:
+    """A ``serve`` process, its base URL and its log (stderr)."""
+
+    process: subprocess.Popen
+    url: str
+    log: Path
+
+    def healthy(self) -> bool:
+        assert self.process.poll() is None, self.log.read_text()
+        try:
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_serve(
+    model_dir: Path, log: Path, *flags: str, env: dict | None = None, prelude: str = ""
+) -> Served:
+    """Start ``serve`` for ``model_dir`` with the test engine settings on a free port."""
+    port = free_port()
+    engine_flags = [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE_KEYS.items()]
+    script = SERVE.format(prelude=prelude)
+    command = [sys.executable, "-c", script, "serve", "--model", str(model_dir)]
+    process = subprocess.Popen(
+        [*command, "--port", str(port), *engine_flags, *flags],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
+    return Served(process, f"http://127.0.0.1:{port}", log)

@@ -3,68 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import ENGINE_KEYS, wait_for
+from server_utils import launch_serve, wait_for
 from text_model import save_text_model
-
-# What ``platform-core serve`` runs once the subcommand is wired into the main CLI; this calls
-# the same parser function without depending on that wiring.
-SERVE = """
-import argparse, sys
-from platform_core.cli.serve import add_serve_parser
-parser = argparse.ArgumentParser()
-add_serve_parser(parser.add_subparsers())
-args = parser.parse_args(sys.argv[1:])
-sys.exit(args.func(args))
-"""
-
-
-@dataclass
-class Served:
-    process: subprocess.Popen
-    url: str
-    log: Path
-
-    def healthy(self) -> bool:
-        assert self.process.poll() is None, self.log.read_text()
-        try:
-            return httpx.get(self.url + "/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launch(model_dir: Path, log: Path, *flags: str, env: dict | None = None) -> Served:
-    port = _free_port()
-    engine_flags = [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE_KEYS.items()]
-    command = [sys.executable, "-c", SERVE, "serve", "--model", str(model_dir)]
-    process = subprocess.Popen(
-        [*command, "--port", str(port), *engine_flags, *flags],
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("w"),
-    )
-    return Served(process, f"http://127.0.0.1:{port}", log)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +19,8 @@ def servers(tmp_path_factory):
     model_dir = save_text_model(tmp_path_factory.mktemp("lifecycle-model"))
     logs = tmp_path_factory.mktemp("logs")
     started = {
-        "plain": _launch(model_dir, logs / "plain.log"),
-        "keyed": _launch(
+        "plain": launch_serve(model_dir, logs / "plain.log"),
+        "keyed": launch_serve(
             model_dir,
             logs / "keyed.log",
             "--served-model-name",

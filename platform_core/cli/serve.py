@@ -6,7 +6,33 @@ import argparse
 from typing import Any
 
 from platform_core.entrypoints.engine_args import add_engine_args
-from platform_core.entrypoints.openai.limits import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
+from platform_core.entrypoints.openai.limits import (
+    API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CHOICES_PER_REQUEST,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_TOKEN_ID_LIST_LENGTH,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_TOKENIZER_THREADS,
+)
+
+
+def _hosts(text: str) -> list[str]:
+    hosts = [h.strip() for h in text.split(",") if h.strip()]
+    if not hosts:
+        raise argparse.ArgumentTypeError("give at least one host name, or '*'")
+    return hosts
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -30,8 +56,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every route but /health "
-        f"(default: ${API_KEY_ENV} if set)",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        f"(/metrics too with --guard-metrics; default: ${API_KEY_ENV} if set; an empty key is "
+        "an error, not 'no auth')",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        type=_hosts,
+        default=None,
+        help="comma-separated Host header names the server answers; others get 400, '*' "
+        "allows any (default: localhost, 127.0.0.1, ::1 and the --host address when bound to "
+        "loopback, which keeps DNS-rebinding pages out; any host when bound elsewhere, e.g. "
+        "0.0.0.0, since the server's public names are unknown: list them to restrict)",
     )
     serve.add_argument(
         "--served-model-name",
@@ -45,10 +81,59 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"larger request bodies get 413 (default: {DEFAULT_MAX_BODY_BYTES})",
     )
     serve.add_argument(
+        "--max-prompts-per-request",
+        type=_positive(int),
+        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        help="more prompts in one completions request get 400, before any is tokenized "
+        f"(default: {DEFAULT_MAX_PROMPTS_PER_REQUEST}: room for batch clients, while one "
+        "request cannot flood the queue)",
+    )
+    serve.add_argument(
+        "--max-choices-per-request",
+        type=_positive(int),
+        default=DEFAULT_MAX_CHOICES_PER_REQUEST,
+        help="n x prompts above this get 400: each is a sequence competing with other "
+        f"clients' (default: {DEFAULT_MAX_CHOICES_PER_REQUEST})",
+    )
+    serve.add_argument(
+        "--max-token-id-list-length",
+        type=_positive(int),
+        default=DEFAULT_MAX_TOKEN_ID_LIST_LENGTH,
+        help="longer allowed_token_ids, stop_token_ids or logit_bias get 400: they cost every "
+        f"step of the batch (default: {DEFAULT_MAX_TOKEN_ID_LIST_LENGTH}; prompt token ids are "
+        "bounded by the context length instead)",
+    )
+    serve.add_argument(
+        "--read-timeout",
+        type=_positive(float),
+        default=DEFAULT_READ_TIMEOUT,
+        help="seconds a client has to send a whole request (headers and body) from its first "
+        "byte or from connecting; slower connections are closed (default: "
+        f"{DEFAULT_READ_TIMEOUT:g}: an 8 MB body at ~300 KB/s; idle kept-alive connections "
+        "close after 5 s)",
+    )
+    serve.add_argument(
+        "--tokenizer-threads",
+        type=_positive(int),
+        default=DEFAULT_TOKENIZER_THREADS,
+        help="worker threads that tokenize, render chat templates and detokenize requests off "
+        f"the event loop (default: {DEFAULT_TOKENIZER_THREADS})",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds requests in flight may take to finish after SIGINT/SIGTERM (default: 30)",
+        help="seconds requests in flight may take to finish after SIGINT/SIGTERM; then "
+        "requests still running get 503 server_shutting_down, streams an error event and "
+        "[DONE] (default: 30)",
+    )
+    serve.add_argument(
+        "--exit-on-engine-death",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit with status 3 within a few seconds once the engine stops serving (its loop or a "
+        "worker died), so a supervisor (systemd, k8s, docker --restart) restarts the server; "
+        "with --no-exit-on-engine-death it stays up answering 503 (default: on)",
     )
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)

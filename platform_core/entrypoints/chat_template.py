@@ -23,6 +23,17 @@ def render_chat(
 
     The rendered template already contains its special tokens, so encoding adds none.
     """
+    text = render_chat_text(tokenizer, messages, add_generation_prompt, chat_template)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def render_chat_text(
+    tokenizer: Any,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> str:
+    """The prompt text the chat template makes of ``messages`` (special tokens included)."""
     if tokenizer is None:
         raise InvalidRequestError("chat needs a tokenizer; this model has none", "messages")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -35,7 +46,7 @@ def render_chat(
             "messages must be a non-empty list of {role, content} objects", "messages"
         )
     try:
-        text = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
@@ -43,4 +54,3 @@ def render_chat(
         )
     except Exception as exc:  # a template error is the caller's input problem, not ours
         raise InvalidRequestError(f"the chat template failed: {exc}", "messages") from exc
-    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: ``build_app`` (FastAPI routes) and ``run_server`` (uvicorn).
+"""The OpenAI-compatible HTTP server: ``build_app`` (FastAPI routes), ``make_server`` (uvicorn,
+with the read timeout, the shutdown drain and the engine-death watch) and ``run_server``.
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
 ``/detokenize``, ``/health`` (always open), ``/version``, ``/metrics`` (open unless guarded).
@@ -8,10 +9,14 @@ The engine runs on its own thread (``AsyncEngine``); this module only wires HTTP
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
+import socket
+from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -20,14 +25,25 @@ from starlette.responses import Response
 from platform_core import __version__
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.data_parallel import DataParallelEngine
+from platform_core.entrypoints.openai.connection import ReadTimeoutH11Protocol
 from platform_core.entrypoints.openai.errors import error_response, install_error_handlers
-from platform_core.entrypoints.openai.limits import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES
+from platform_core.entrypoints.openai.limits import (
+    ANY_HOST,
+    API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_TOKENIZER_THREADS,
+    RequestLimits,
+    default_allowed_hosts,
+)
 from platform_core.entrypoints.openai.metrics import ServerMetrics
 from platform_core.entrypoints.openai.middleware import (
     OPEN_PATHS,
+    AllowedHostsMiddleware,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
 )
+from platform_core.entrypoints.openai.prepare import Preparer
 from platform_core.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,9 +53,16 @@ from platform_core.entrypoints.openai.protocol import (
 from platform_core.entrypoints.openai.serving_base import ServerContext
 from platform_core.entrypoints.openai.serving_chat import ChatServing, chat_prompt_ids
 from platform_core.entrypoints.openai.serving_completion import CompletionServing
+from platform_core.errors import ConfigError
 from platform_core.models.packaged import DEFAULT_MODEL
 
 logger = logging.getLogger("platform_core.server")
+
+# Exit status of ``serve`` when it stopped because the engine died (--exit-on-engine-death).
+ENGINE_DEATH_EXIT_STATUS = 3
+# uvicorn's own cut-off comes this long after the drain deadline: it only catches a response
+# that could not even send its error (a client that stopped reading).
+SHUTDOWN_GRACE_SECONDS = 5.0
 
 
 def build_app(
@@ -48,14 +71,25 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     guard_metrics: bool = False,
+    allowed_hosts: tuple[str, ...] = (ANY_HOST,),
+    limits: RequestLimits | None = None,
+    tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
     With ``api_key`` every route but ``/health`` and ``/metrics`` needs
-    ``Authorization: Bearer <api_key>``; ``guard_metrics`` guards ``/metrics`` too.
-    The app does not own the engine: whoever created the engine shuts it down.
+    ``Authorization: Bearer <api_key>``; ``guard_metrics`` guards ``/metrics`` too. A request
+    whose ``Host`` is not in ``allowed_hosts`` gets 400 (``"*"`` allows any). The app does not
+    own the engine: whoever created the engine shuts it down.
     """
-    ctx = ServerContext(engine, served_model_name, ServerMetrics(engine))
+    if api_key is not None and not api_key:
+        raise ConfigError("the API key is empty; give a non-empty key, or none for no auth")
+    preparer = Preparer(
+        engine.tokenizer, engine.vocab_size, engine.max_model_len, tokenizer_threads
+    )
+    ctx = ServerContext(
+        engine, served_model_name, ServerMetrics(engine), preparer, limits or RequestLimits()
+    )
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
     app = FastAPI(title="platform-core", version=__version__, docs_url=None, redoc_url=None)
@@ -84,7 +118,8 @@ def build_app(
             "object": "model",
             "created": ctx.created,
             "owned_by": "platform-core",
-            "root": str(engine.engine.model_dir),
+            # Not the model's directory: that would tell any client the layout of the disk.
+            "root": served_model_name,
             "max_model_len": engine.max_model_len,
         }
         return {"object": "list", "data": [card]}
@@ -101,9 +136,9 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         ctx.check_model(body.model)
         if body.messages is not None:
-            tokens = chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
+            tokens = await chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
         else:
-            tokens = ctx.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            tokens = await preparer.encode(body.prompt or "", body.add_special_tokens)
         return JSONResponse(
             {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
         )
@@ -111,13 +146,14 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         ctx.check_model(body.model)
-        return JSONResponse({"prompt": ctx.decode(body.tokens)})
+        return JSONResponse({"prompt": await preparer.decode(body.tokens)})
 
-    # Added last = outermost: the key is checked before any body is read.
+    # Added last = outermost: the host, then the key are checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         open_paths = OPEN_PATHS - {"/metrics"} if guard_metrics else OPEN_PATHS
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    app.add_middleware(AllowedHostsMiddleware, hosts=allowed_hosts)
     return app
 
 
@@ -126,19 +162,81 @@ def default_model_name(model: str | None) -> str:
     return model or DEFAULT_MODEL
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, then drain and stop (exit status 0)."""
-    import uvicorn
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """How the HTTP server runs (the ``serve`` flags that are not the app's)."""
 
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    shutdown_timeout: float = 30.0
+    exit_on_engine_death: bool = True
+
+
+class PlatformServer(uvicorn.Server):
+    """uvicorn's server plus: at shutdown, requests still running after ``shutdown_timeout``
+    end cleanly (``Drain``); with ``exit_on_engine_death``, it stops once the engine stopped
+    serving and ``engine_died`` says so."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, settings: ServerSettings) -> None:
+        super().__init__(config)
+        self.ctx: ServerContext = app.state.ctx
+        self.settings = settings
+        self.engine_died = False
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.settings.exit_on_engine_death and not self.should_exit:
+            engine = self.ctx.engine
+            if not engine.is_running:
+                logger.error("the engine stopped serving (%s); exiting", engine.error)
+                self.engine_died = self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.ctx.drain.start(self.settings.shutdown_timeout)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            self.ctx.preparer.shutdown()
+
+
+def make_server(app: FastAPI, settings: ServerSettings) -> PlatformServer:
+    """The uvicorn server for ``app`` (from ``build_app``): what ``serve`` and the tests run."""
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        http=functools.partial(ReadTimeoutH11Protocol, read_timeout=settings.read_timeout),
+        timeout_graceful_shutdown=settings.shutdown_timeout + SHUTDOWN_GRACE_SECONDS,
+    )
+    return PlatformServer(config, app, settings)
+
+
+def api_key_from(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$PLATFORM_CORE_API_KEY``, else ``None``; an empty key is an error
+    (it used to mean no auth, silently)."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise ConfigError(f"{source} is empty; give a non-empty key, or leave it unset for no auth")
+    return key
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, then drain and stop (exit status 0), or
+    until the engine dies (``ENGINE_DEATH_EXIT_STATUS`` with --exit-on-engine-death)."""
     from platform_core.entrypoints.engine_args import engine_config_from_args
 
+    api_key = api_key_from(args)  # before loading anything: a bad key fails fast
     config = engine_config_from_args(args)
     name = args.served_model_name or default_model_name(config.model.model)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if config.parallel.data_parallel_size > 1:
         engine = DataParallelEngine.from_config(config)
     else:
         engine = AsyncEngine.from_config(config)
+    server = None
     try:
         app = build_app(
             engine,
@@ -146,16 +244,23 @@ def run_server(args: argparse.Namespace) -> int:
             api_key=api_key,
             max_body_bytes=args.max_body_bytes,
             guard_metrics=args.guard_metrics,
+            allowed_hosts=tuple(args.allowed_hosts or default_allowed_hosts(args.host)),
+            limits=RequestLimits(
+                args.max_prompts_per_request,
+                args.max_choices_per_request,
+                args.max_token_id_list_length,
+            ),
+            tokenizer_threads=args.tokenizer_threads,
         )
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host=args.host,
-                port=args.port,
-                log_level=getattr(args, "log_level", "info").lower(),
-                timeout_graceful_shutdown=args.shutdown_timeout,
-            )
+        settings = ServerSettings(
+            host=args.host,
+            port=args.port,
+            log_level=getattr(args, "log_level", "info"),
+            read_timeout=args.read_timeout,
+            shutdown_timeout=args.shutdown_timeout,
+            exit_on_engine_death=args.exit_on_engine_death,
         )
+        server = make_server(app, settings)
         # uvicorn drains requests on SIGTERM, then raises the signal again: make that a
         # KeyboardInterrupt (as for SIGINT) so the engine below is stopped, not killed.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -165,4 +270,4 @@ def run_server(args: argparse.Namespace) -> int:
         pass
     finally:
         engine.shutdown()
-    return 0
+    return ENGINE_DEATH_EXIT_STATUS if server is not None and server.engine_died else 0

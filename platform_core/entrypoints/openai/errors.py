@@ -1,9 +1,10 @@
 """Every error the server returns, in OpenAI's shape: ``{"error": {message, type, param, code}}``.
 
 Status codes: 400 invalid request (pydantic validation errors included, reshaped), 401 missing or
-wrong API key, 404 unknown model or route, 408 the request's own ``timeout`` passed, 413 body too
-large, 503 engine not running or waiting queue full (the latter with ``Retry-After``), 500 only
-for a bug (logged with its traceback).
+wrong API key, 404 unknown model or route, 408 the request's own ``timeout`` passed (queueing
+included), 413 body too large, 503 engine not running, waiting queue full (with ``Retry-After``)
+or the server shutting down, 500 only for a bug (logged with its traceback). Messages never carry
+text that JSON cannot encode as UTF-8 (lone surrogates sent by a client are escaped).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from platform_core.errors import (
+    DeadlineExceededError,
     EngineDeadError,
     InvalidRequestError,
     PlatformCoreError,
@@ -45,8 +47,10 @@ _TYPES = {
 class ModelNotFoundError(PlatformCoreError):
     """The request names a model this server does not serve."""
 
-    def __init__(self, model: str, served: str) -> None:
-        super().__init__(f"the model {model!r} does not exist; this server serves {served!r}")
+    def __init__(self, model: str) -> None:
+        # The served name is not repeated: by default it is the --model value, often a path on
+        # disk; GET /v1/models tells an authorized client what it is.
+        super().__init__(f"the model {model!r} does not exist; GET /v1/models lists the served one")
 
 
 class RequestTimeoutError(PlatformCoreError):
@@ -56,15 +60,29 @@ class RequestTimeoutError(PlatformCoreError):
         super().__init__("the request did not finish within its timeout; it was aborted")
 
 
+class ServerShuttingDownError(PlatformCoreError):
+    """The server is stopping and the request did not finish within ``--shutdown-timeout``."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down; the request was aborted, retry elsewhere")
+
+
+def _printable(text: str | None) -> str | None:
+    """``text`` with lone surrogates escaped, so the error body always encodes as UTF-8."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     """The OpenAI error object for ``status``."""
     return {
         "error": {
-            "message": message,
+            "message": _printable(message),
             "type": _TYPES.get(status, "invalid_request_error"),
-            "param": param,
+            "param": _printable(param),
             "code": code,
         }
     }
@@ -85,7 +103,9 @@ def error_event(exc: Exception) -> str:
 def _classify(exc: Exception) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, QueueFullError):
         return 503, error_body(503, str(exc), code="queue_full")
-    if isinstance(exc, RequestTimeoutError):
+    if isinstance(exc, ServerShuttingDownError):
+        return 503, error_body(503, str(exc), code="server_shutting_down")
+    if isinstance(exc, RequestTimeoutError | DeadlineExceededError):
         return 408, error_body(408, str(exc), "timeout", "deadline_exceeded")
     if isinstance(exc, InvalidRequestError):
         return 400, error_body(400, str(exc), exc.param)
@@ -99,12 +119,28 @@ def _classify(exc: Exception) -> tuple[int, dict[str, Any]]:
     return 500, error_body(500, "internal server error; see the server log")
 
 
+# Error types that only say "not this member of a union"; another error says more.
+_TYPE_MISMATCHES = frozenset(
+    {"string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type", "model_type"}
+)
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool"})
+
+
+def _is_field(part: object) -> bool:
+    """Whether a pydantic ``loc`` part names a field or index, not a union member's type
+    (``str``, ``list[constrained-int]``, ``function-after[...]``) or a dict's ``[key]``."""
+    if isinstance(part, int):
+        return True
+    text = str(part)
+    return text != "body" and "[" not in text and "-" not in text and text not in _TYPE_NAMES
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    first = next((e for e in errors if e.get("type") not in _TYPE_MISMATCHES), errors[0])
+    loc = [str(p) for p in first.get("loc", ()) if _is_field(p)]
     param = ".".join(loc) or None
     if first.get("type") == "extra_forbidden":
         message = f"unsupported parameter {param!r}"

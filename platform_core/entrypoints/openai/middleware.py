@@ -1,6 +1,6 @@
-"""ASGI middleware of the server: API-key check and request body size limit.
+"""ASGI middleware of the server: Host allow-list, API-key check and request body size limit.
 
-Both are plain ASGI (not ``BaseHTTPMiddleware``) so that streaming responses and client
+All are plain ASGI (not ``BaseHTTPMiddleware``) so that streaming responses and client
 disconnects pass through untouched.
 """
 
@@ -12,6 +12,7 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from platform_core.entrypoints.openai.errors import error_body
+from platform_core.entrypoints.openai.limits import ANY_HOST
 
 # Paths reachable without the API key: load balancers probe /health, Prometheus scrapes /metrics
 # (unless the server is told to guard it too).
@@ -26,6 +27,42 @@ async def send_error(send: Send, status: int, message: str, code: str | None = N
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+def host_name(header: bytes) -> str:
+    """The hostname of a ``Host`` header value, without its port (``[::1]:8000`` -> ``::1``)."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].partition("]")[0]
+    name, colon, port = text.rpartition(":")
+    return name if colon and port.isdigit() and ":" not in name else text
+
+
+class AllowedHostsMiddleware:
+    """A request whose ``Host`` header is not in ``hosts`` gets 400 (``*`` allows any).
+
+    A page from another origin that rebinds its DNS name to 127.0.0.1 still sends its own name
+    in ``Host``, so this keeps such pages from driving a server that listens on loopback.
+    """
+
+    def __init__(self, app: ASGIApp, hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self.hosts = frozenset(h.strip("[]").lower() for h in hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and ANY_HOST not in self.hosts:
+            header = dict(scope["headers"]).get(b"host")
+            # HTTP/1.0 may omit Host; browsers (the rebinding threat) always send it.
+            if header is not None and host_name(header) not in self.hosts:
+                await send_error(
+                    send,
+                    400,
+                    "the Host header names a host this server does not answer for "
+                    "(see --allowed-hosts)",
+                    "invalid_host",
+                )
+                return
+        await self.app(scope, receive, send)
 
 
 class ApiKeyMiddleware:

@@ -1,23 +1,49 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
 Requests reject unknown fields: a typo or an unsupported OpenAI feature (``tools``, ``suffix``...)
-is a 400 that names the field rather than being silently ignored. Integers are bounded to int64,
-what JSON APIs and torch can carry. The ranges of sampling values are checked in one place,
-``SamplingParams``, when ``sampling_params`` builds it.
+is a 400 that names the field rather than being silently ignored. Types are strict, as OpenAI's
+schema says: an integer field takes a JSON integer (not ``2.0`` or ``true``), a boolean a JSON
+boolean (not ``"yes"``); a number field takes any JSON number. Integers are bounded to int64,
+what JSON APIs and torch can carry. Text fields refuse lone surrogates (JSON ``"\ud800"``: not
+Unicode, so no tokenizer or UTF-8 encoder takes them); NULs and non-characters are valid Unicode
+and pass. The ranges of sampling values are checked in one place, ``SamplingParams``, when
+``sampling_params`` builds it.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
-from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenIds = list[Int64]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_lone_surrogates(text: str) -> str:
+    if not text.isascii() and (found := _SURROGATE.search(text)):
+        raise ValueError(
+            f"contains a lone surrogate (U+{ord(found.group()):04X}) at character "
+            f"{found.start()}, which is not Unicode text"
+        )
+    return text
+
+
+Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
+# logit_bias keys are token ids written in ASCII digits (int() would also take "１２" or " 12").
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,19}$")]
 
 
 # Sampling fields that fall back to the model's generation-config defaults when left out.
@@ -37,7 +63,7 @@ _DEFAULTABLE = (
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -52,16 +78,16 @@ class SamplingRequest(_Request):
     A field left unset takes the model's generation-config default, then ``SamplingParams``'s.
     """
 
-    model: str | None = None
+    model: Text | None = None
     n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
     seed: Int64 | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[TokenIdKey, float] | None = None
+    user: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: Int64 | None = None
@@ -100,25 +126,16 @@ class SamplingRequest(_Request):
             include_stop_str_in_output=self.include_stop_str_in_output,
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
-            logit_bias=_token_bias(self.logit_bias),
+            logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
         )
         settings.update(values)
         return SamplingParams(**settings)
 
 
-def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float]:
-    try:
-        return {int(token): bias for token, bias in (logit_bias or {}).items()}
-    except ValueError:
-        raise InvalidRequestError(
-            "logit_bias keys must be token ids (integers as strings)", "logit_bias"
-        ) from None
-
-
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: ``prompt`` is a string, strings, token ids, or lists of them."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     max_tokens: Int64 | None = None
     logprobs: Int64 | None = None
     echo: bool = False
@@ -128,17 +145,17 @@ class CompletionRequest(SamplingRequest):
 class ContentPart(BaseModel):
     """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
 
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
     """One chat turn, passed to the model's chat template."""
 
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -155,8 +172,8 @@ class ChatCompletionRequest(SamplingRequest):
 class TokenizeRequest(_Request):
     """``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -171,7 +188,7 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     """``POST /detokenize``."""
 
-    model: str | None = None
+    model: Text | None = None
     tokens: TokenIds
 
 

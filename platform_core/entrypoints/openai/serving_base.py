@@ -1,5 +1,6 @@
-"""What the completion and chat handlers share: model check, tokenizing, submitting prompts,
-reading outputs (with metrics and disconnect detection), per-choice deltas, SSE framing, usage."""
+"""What the completion and chat handlers share: model check, request limits, submitting prompts,
+reading outputs (with metrics, deadlines and disconnect detection), per-choice deltas, SSE
+framing, usage."""
 
 from __future__ import annotations
 
@@ -19,13 +20,20 @@ from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.llm_engine import DEADLINE_EXCEEDED
 from platform_core.engine.outputs import CompletionOutput, RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream
+from platform_core.entrypoints.openai.deadline import Drain, RequestClock
 from platform_core.entrypoints.openai.errors import (
     ModelNotFoundError,
     RequestTimeoutError,
     error_event,
 )
+from platform_core.entrypoints.openai.limits import RequestLimits
 from platform_core.entrypoints.openai.metrics import RequestTracker, ServerMetrics
-from platform_core.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from platform_core.entrypoints.openai.prepare import Preparer
+from platform_core.entrypoints.openai.protocol import (
+    PromptTokensDetails,
+    SamplingRequest,
+    UsageInfo,
+)
 from platform_core.errors import InvalidRequestError, RequestFailedError
 from platform_core.sampling_params import SamplingParams
 
@@ -43,11 +51,15 @@ class Prompt:
 
 @dataclass
 class ServerContext:
-    """State every route shares: the engine, the served model's name, the metrics."""
+    """State every route shares: the engine, the served model's name, the metrics, the
+    tokenizing threads, the request limits and the shutdown deadline."""
 
     engine: AsyncEngine
     model_name: str
     metrics: ServerMetrics
+    preparer: Preparer
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    drain: Drain = field(default_factory=Drain)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def full_response(
@@ -71,37 +83,44 @@ class ServerContext:
     def check_model(self, model: str | None) -> None:
         """An absent model means the served one; any other name is a 404."""
         if model is not None and model != self.model_name:
-            raise ModelNotFoundError(model, self.model_name)
+            raise ModelNotFoundError(model)
 
-    @property
-    def tokenizer(self) -> Any:
-        if self.engine.tokenizer is None:
+    def check_limits(self, body: SamplingRequest, num_prompts: int) -> None:
+        """Refuse a request over ``self.limits`` (400 naming the field and the bound) before
+        any of it is tokenized or queued."""
+        limits = self.limits
+        if num_prompts > limits.max_prompts:
             raise InvalidRequestError(
-                "this model has no tokenizer; send token ids instead of text", "prompt"
+                f"{num_prompts} prompts in one request; at most {limits.max_prompts} are "
+                "allowed (--max-prompts-per-request)",
+                "prompt",
             )
-        return self.engine.tokenizer
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def decode(self, token_ids: list[int]) -> str:
-        bad = [t for t in token_ids if not 0 <= t < self.engine.vocab_size]
-        if bad:
+        if num_prompts * body.n > limits.max_choices:
             raise InvalidRequestError(
-                f"token ids must be in [0, {self.engine.vocab_size}); got {bad[:5]}", "tokens"
+                f"n={body.n} x {num_prompts} prompts asks for {num_prompts * body.n} choices; at "
+                f"most {limits.max_choices} are allowed (--max-choices-per-request)",
+                "n",
             )
-        return self.tokenizer.decode(token_ids)
+        for name in ("allowed_token_ids", "stop_token_ids", "logit_bias"):
+            values = getattr(body, name)
+            if values is not None and len(values) > limits.max_token_id_list:
+                raise InvalidRequestError(
+                    f"{name} has {len(values)} entries; at most {limits.max_token_id_list} are "
+                    "allowed (--max-token-id-list-length)",
+                    name,
+                )
 
     async def submit(
         self,
         request_id: str,
         prompts: list[Prompt],
         params: SamplingParams,
-        deadline: float | None = None,
+        clock: RequestClock,
     ) -> RequestStream:
         """Send every prompt to the engine as one group; ``request_id-i`` is prompt ``i``.
 
-        ``deadline`` also reaches the engine, which aborts the requests wherever they are.
+        The wait for acceptance runs under ``clock``; its deadline also reaches the engine,
+        which aborts the requests wherever they are.
         """
         for p in prompts:
             # min_tokens beyond the context can never be met: refuse rather than cut short.
@@ -112,27 +131,27 @@ class ServerContext:
                     f"{room} tokens in the {self.engine.max_model_len}-token context",
                     "min_tokens",
                 )
-        now = time.time()
-        return await self.engine.submit(
-            [
-                GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now, deadline)
-                for i, p in enumerate(prompts)
-            ]
-        )
+        now, deadline = time.time(), clock.deadline
+        requests = [
+            GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now, deadline)
+            for i, p in enumerate(prompts)
+        ]
+        # Cancelling the wait (a deadline, the drain) aborts the requests in the engine.
+        return await clock.bound(self.engine.submit(requests))
 
     async def tracked(
-        self, stream: RequestStream, deadline: float | None = None
+        self, stream: RequestStream, clock: RequestClock
     ) -> AsyncIterator[RequestOutput]:
         """The stream's outputs, recorded in the metrics as they pass.
 
-        Past ``deadline`` (``time.monotonic()`` seconds) the stream's requests are aborted and
-        ``RequestTimeoutError`` is raised.
+        When a deadline of ``clock`` passes, the stream's requests are aborted and
+        ``RequestTimeoutError`` or ``ServerShuttingDownError`` is raised.
         """
         trackers: dict[str, RequestTracker] = {}
         async with aclosing(aiter(stream)) as outputs:
             while True:
                 try:
-                    output = await _before(deadline, anext(outputs))
+                    output = await clock.bound(anext(outputs))
                 except StopAsyncIteration:
                     return
                 if output.error is not None:
@@ -146,29 +165,18 @@ class ServerContext:
                 yield output
 
     async def final_outputs(
-        self, stream: RequestStream, request: Request, deadline: float | None = None
+        self, stream: RequestStream, request: Request, clock: RequestClock
     ) -> list[RequestOutput] | None:
         """Each request's last output, in submission order; ``None`` if the client left."""
 
         async def collect() -> list[RequestOutput]:
             finals: dict[str, RequestOutput] = {}
-            async with aclosing(self.tracked(stream, deadline)) as outputs:
+            async with aclosing(self.tracked(stream, clock)) as outputs:
                 async for output in outputs:
                     finals[output.request_id] = output
             return [finals[r] for r in stream.request_ids]
 
         return await unless_disconnected(collect(), request)
-
-
-async def _before(deadline: float | None, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it at ``deadline`` (``time.monotonic()`` seconds)."""
-    if deadline is None:
-        return await work
-    try:
-        async with asyncio.timeout(deadline - time.monotonic()):
-            return await work
-    except TimeoutError:
-        raise RequestTimeoutError() from None
 
 
 def prompt_index(request_id: str) -> int:

@@ -1,8 +1,8 @@
 """``POST /v1/chat/completions``: the model's chat template, then generation, whole or streamed.
 
-Templates are rendered by ``entrypoints.chat_template.render_chat`` (transformers' sandboxed Jinja,
-encoded without adding special tokens again) and come only from the model directory, never from a
-request.
+Templates are rendered by ``entrypoints.chat_template.render_chat_text`` (transformers' sandboxed
+Jinja, encoded without adding special tokens again, on a worker thread) and come only from the
+model directory, never from a request.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from platform_core.engine.outputs import PositionLogprobs, RequestOutput
 from platform_core.engine.request_stream import RequestStream
-from platform_core.entrypoints.chat_template import render_chat
+from platform_core.entrypoints.openai.deadline import RequestClock
 from platform_core.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -39,10 +39,10 @@ from platform_core.entrypoints.openai.serving_base import (
 from platform_core.errors import InvalidRequestError
 
 
-def chat_prompt_ids(
+async def chat_prompt_ids(
     ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool
 ) -> list[int]:
-    """Prompt token ids the model's chat template makes of ``messages``."""
+    """Prompt token ids the model's chat template makes of ``messages`` (on a worker thread)."""
     conversation = []
     for i, message in enumerate(messages):
         content = message.content
@@ -56,7 +56,7 @@ def chat_prompt_ids(
         if message.name is not None:
             turn["name"] = message.name
         conversation.append(turn)
-    return render_chat(ctx.engine.tokenizer, conversation, add_generation_prompt)
+    return await ctx.preparer.render_chat(conversation, add_generation_prompt)
 
 
 class ChatServing:
@@ -68,9 +68,11 @@ class ChatServing:
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Render, tokenize, submit, then answer with JSON or an event stream."""
         ctx = self.ctx
-        deadline = body.deadline()
+        clock = ctx.drain.clock(body.deadline())
         ctx.check_model(body.model)
-        prompt = Prompt(None, chat_prompt_ids(ctx, body.messages, body.add_generation_prompt))
+        ctx.check_limits(body, 1)
+        ids = await clock.bound(chat_prompt_ids(ctx, body.messages, body.add_generation_prompt))
+        prompt = Prompt(None, ids)
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens
@@ -89,10 +91,10 @@ class ChatServing:
                 exc.param = "top_logprobs"
             raise
         response_id = new_id("chatcmpl")
-        stream = await ctx.submit(response_id, [prompt], params, deadline)
+        stream = await ctx.submit(response_id, [prompt], params, clock)
         if body.stream:
-            return event_stream(self._chunks(response_id, body, stream, deadline))
-        finals = await ctx.final_outputs(stream, request, deadline)
+            return event_stream(self._chunks(response_id, body, stream, clock))
+        finals = await ctx.final_outputs(stream, request, clock)
         if finals is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
         final = finals[0]
@@ -113,12 +115,12 @@ class ChatServing:
         response_id: str,
         body: ChatCompletionRequest,
         stream: RequestStream,
-        deadline: float | None,
+        clock: RequestClock,
     ) -> AsyncIterator[ChatCompletionChunk]:
         ctx = self.ctx
         tracker = DeltaTracker()
         final: RequestOutput | None = None
-        async for output in ctx.tracked(stream, deadline):
+        async for output in ctx.tracked(stream, clock):
             final = output
             choices = [
                 ChatStreamChoice(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -9,6 +10,7 @@ from starlette.responses import Response
 
 from platform_core.engine.outputs import PositionLogprobs, RequestOutput
 from platform_core.engine.request_stream import RequestStream
+from platform_core.entrypoints.openai.deadline import RequestClock
 from platform_core.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -30,6 +32,13 @@ from platform_core.errors import InvalidRequestError
 DEFAULT_MAX_TOKENS = 16
 
 
+def _num_prompts(prompt: str | list) -> int:
+    """How many prompts ``prompt`` holds (a flat list of ints is one prompt of token ids)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
 class CompletionServing:
     """Handles completion requests against one ``ServerContext``."""
 
@@ -39,12 +48,15 @@ class CompletionServing:
     async def create(self, body: CompletionRequest, request: Request) -> Response:
         """Validate, submit every prompt, then answer with JSON or an event stream."""
         ctx = self.ctx
-        deadline = body.deadline()
+        clock = ctx.drain.clock(body.deadline())
         ctx.check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequestError("best_of must be omitted or equal to n", "best_of")
-        prompts = self._prompts(body.prompt)
-        echoes = [self._echo_text(p) for p in prompts] if body.echo else None
+        ctx.check_limits(body, _num_prompts(body.prompt))
+        prompts = await clock.bound(self._prompts(body.prompt))
+        echoes = None
+        if body.echo:
+            echoes = await clock.bound(asyncio.gather(*(self._echo_text(p) for p in prompts)))
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = ctx.engine.default_sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
@@ -55,10 +67,10 @@ class CompletionServing:
             prompt_logprobs=body.logprobs if body.echo else None,
         )
         response_id = new_id("cmpl")
-        stream = await ctx.submit(response_id, prompts, params, deadline)
+        stream = await ctx.submit(response_id, prompts, params, clock)
         if body.stream:
-            return event_stream(self._chunks(response_id, body, echoes, stream, deadline))
-        finals = await ctx.final_outputs(stream, request, deadline)
+            return event_stream(self._chunks(response_id, body, echoes, stream, clock))
+        finals = await ctx.final_outputs(stream, request, clock)
         if finals is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
         choices = []
@@ -91,13 +103,13 @@ class CompletionServing:
         body: CompletionRequest,
         echoes: list[str] | None,
         stream: RequestStream,
-        deadline: float | None,
+        clock: RequestClock,
     ) -> AsyncIterator[CompletionResponse]:
         ctx = self.ctx
         tracker = DeltaTracker()
         finals: dict[str, RequestOutput] = {}
         offsets: dict[int, int] = {}  # choice -> text offset of its next token
-        async for output in ctx.tracked(stream, deadline):
+        async for output in ctx.tracked(stream, clock):
             finals[output.request_id] = output
             i = prompt_index(output.request_id)
             choices = []
@@ -140,20 +152,24 @@ class CompletionServing:
                 usage=usage(list(finals.values())),
             )
 
-    def _prompts(self, prompt: str | list) -> list[Prompt]:
+    async def _prompts(self, prompt: str | list) -> list[Prompt]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         if all(isinstance(t, int) for t in prompt):
             return [Prompt(None, list(prompt))]
+        encode = self.ctx.preparer.encode
+        texts = [p for p in prompt if isinstance(p, str)]
+        ids = iter(await asyncio.gather(*(encode(p) for p in texts)))
         return [
-            Prompt(p, self.ctx.encode(p)) if isinstance(p, str) else Prompt(None, list(p))
-            for p in prompt
+            Prompt(p, next(ids)) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt
         ]
 
-    def _echo_text(self, prompt: Prompt) -> str:
-        return prompt.text if prompt.text is not None else self.ctx.decode(prompt.token_ids)
+    async def _echo_text(self, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return await self.ctx.preparer.decode(prompt.token_ids, "prompt")
 
     def _add_logprobs(
         self,
