@@ -46,6 +46,15 @@ class RequestFailedError(PlatformCoreError, RuntimeError):
     """One request failed inside the engine (the others go on); the message says why."""
 
 
+class StreamBackpressureError(RequestFailedError):
+    """The client stopped reading its stream: the engine aborted its requests (the limit is
+    ``max_buffered_tokens`` of ``SubmitFront.submit``)."""
+
+
+class DeadlineExceededError(PlatformCoreError, TimeoutError):
+    """A request's deadline passed before the engine accepted it; it was aborted (HTTP 408)."""
+
+
 class EngineDeadError(PlatformCoreError, RuntimeError):
     """The engine hit an unrecoverable error and serves no more requests."""
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from array import array
 from dataclasses import dataclass, field
 
 from platform_core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 _INT64 = 2**63
+_SEED_SPAN = 2 * _INT64 - 1  # how many seeds are valid: the integers in (-2**63, 2**63)
 
 
 def _check(ok: bool, name: str, valid: str, value: object) -> None:
@@ -37,6 +40,13 @@ class SamplingParams:
     Generation stops at ``max_tokens``, at EOS (unless ``ignore_eos``), at any ``stop_token_ids``,
     or when the text ends in one of ``stop`` (cut off unless ``include_stop_str_in_output``).
     ``seed`` makes a request's samples reproducible whatever else is in the batch.
+
+    Token id lists are normalized once here, so per-step work never depends on how long (or
+    repetitive) the caller's lists were: ``stop_token_ids`` and ``allowed_token_ids`` lose their
+    duplicates (first occurrence kept), ``stop_token_set`` answers membership, and
+    ``stop_token_array`` / ``allowed_token_array`` / ``logit_bias_ids`` / ``logit_bias_values``
+    hold the same values as contiguous buffers that the sampler wraps as tensors without
+    copying. Treat an instance as immutable once built.
     """
 
     n: int = 1
@@ -60,16 +70,33 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
+    stop_token_array: array = field(init=False, repr=False, compare=False)
+    allowed_token_array: array | None = field(init=False, repr=False, compare=False)
+    logit_bias_ids: array = field(init=False, repr=False, compare=False)
+    logit_bias_values: array = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        self.stop_token_set = frozenset(self.stop_token_ids)
+        self.stop_token_array = array("q", self.stop_token_ids)
+        if self.allowed_token_ids is None:
+            self.allowed_token_array = None
+        else:
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+            self.allowed_token_array = array("q", self.allowed_token_ids)
+        self.logit_bias_ids = array("q", self.logit_bias)
+        self.logit_bias_values = array("f", self.logit_bias.values())
 
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -141,6 +168,15 @@ class SamplingParams:
             "None or a non-empty list of token ids",
             self.allowed_token_ids,
         )
+        # The vocabulary is checked at admission (``validate_token_ids``); int64 is checked here
+        # because the ids are packed into int64 buffers below.
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias)),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if not (_is_int(t) and 0 <= t < _INT64)]
+            _check(not bad, name, "non-negative integer token ids", bad[:5])
         _check(
             not self.stop or self.detokenize,
             "stop",
@@ -172,8 +208,14 @@ class SamplingParams:
             _check(not bad, name, f"token ids in [0, {vocab_size})", bad[:5])
 
     def clone_for_sample(self, index: int) -> SamplingParams:
-        """The params of sample ``index`` of an ``n > 1`` request (own seed, ``n = 1``)."""
-        from dataclasses import replace
+        """The params of sample ``index`` of an ``n > 1`` request (own seed, ``n = 1``).
 
-        seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        The seed is ``seed + index`` wrapped into the valid range, so every valid seed forks
+        into valid, distinct, deterministic seeds (``2**63 - 1`` forks into ``-2**63 + 1``...).
+        A shallow copy: the (immutable) id lists and buffers are shared, not rebuilt.
+        """
+        clone = copy.copy(self)
+        clone.n = 1
+        if self.seed is not None:
+            clone.seed = (self.seed + index + _INT64 - 1) % _SEED_SPAN - (_INT64 - 1)
+        return clone

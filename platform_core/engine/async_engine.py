@@ -27,6 +27,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,9 +41,14 @@ from platform_core.engine.request_stream import (
     StreamSink,
     SubmitFront,
 )
-from platform_core.errors import EngineDeadError
+from platform_core.errors import DeadlineExceededError, EngineDeadError
 
 logger = logging.getLogger("platform_core.engine")
+
+# How often an idle engine checks that its model workers are alive, so that a dead tensor-parallel
+# worker stops the engine (``is_running`` false, ``/health`` 503) within seconds even with no
+# traffic; a busy engine notices at its next step. A check is a few ``is_alive`` calls.
+IDLE_HEALTH_CHECK_S = 1.0
 
 
 @dataclass(slots=True)
@@ -118,21 +124,32 @@ class AsyncEngine(SubmitFront):
         """Engine counters as of the end of the latest loop iteration (see ``LLMEngine.stats``)."""
         return dict(self._stats)
 
-    async def submit(self, requests: list[GenerateRequest]) -> RequestStream:
+    async def submit(
+        self, requests: list[GenerateRequest], *, max_buffered_tokens: int | None = None
+    ) -> RequestStream:
         """Queue ``requests`` together and return their stream once the engine accepted them.
 
-        Raises the engine's ``InvalidRequestError`` (nothing is left running) or
-        ``EngineDeadError``. Cancelling the wait aborts the requests.
+        Raises the engine's ``InvalidRequestError`` (nothing is left running),
+        ``EngineDeadError``, or ``DeadlineExceededError`` when the group's earliest deadline
+        passes before acceptance (e.g. during a long step); cancelling the wait or a deadline
+        aborts the requests. See ``SubmitFront.submit`` for ``max_buffered_tokens``.
         """
-        sink = StreamSink(asyncio.get_running_loop())
         ids = [r.request_id for r in requests]
+        sink = StreamSink(asyncio.get_running_loop(), ids, self.abort, max_buffered_tokens)
+        deadlines = [r.deadline for r in requests if r.deadline is not None]
         self._send(Submit(requests, sink))
         try:
-            await sink.accepted
+            async with asyncio.timeout(min(deadlines) - time.monotonic() if deadlines else None):
+                await sink.accepted
+        except TimeoutError:
+            self.abort(ids)
+            raise DeadlineExceededError(
+                "the deadline passed before the engine accepted the request"
+            ) from None
         except asyncio.CancelledError:
             self.abort(ids)
             raise
-        return RequestStream(ids, sink.queue, self.abort)
+        return RequestStream(ids, sink, self.abort)
 
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (from any thread); a no-op once the engine has stopped."""
@@ -183,15 +200,20 @@ class AsyncEngine(SubmitFront):
             idle = not self.engine.has_unfinished_requests()
             self._results = results = []
             keep_going = True
+            aborts: list[str] = []  # consecutive aborts go to the engine as one batch
             for command in self._take_commands(block=idle):
+                if isinstance(command, Abort):
+                    aborts += command.request_ids
+                    continue
+                self._abort(aborts)
                 if isinstance(command, Shutdown):
                     keep_going = False
-                elif isinstance(command, Abort):
-                    self.engine.abort_request(command.request_ids)
-                    for request_id in command.request_ids:
-                        self._sinks.pop(request_id, None)
                 else:
                     results.append((command.sink, self._add(command)))
+            self._abort(aborts)
+            if results:  # acceptances go out now, not after a step that may be long
+                self._deliver(results)
+                self._results = results = []
             if keep_going and self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     find = self._sinks.pop if output.finished else self._sinks.get
@@ -204,8 +226,23 @@ class AsyncEngine(SubmitFront):
             if not keep_going:
                 return
 
+    def _abort(self, request_ids: list[str]) -> None:
+        """Abort ``request_ids`` in the engine and forget their sinks; empties the list."""
+        if request_ids:
+            self.engine.abort_request(request_ids)
+            for request_id in request_ids:
+                self._sinks.pop(request_id, None)
+            request_ids.clear()
+
     def _take_commands(self, block: bool) -> list[Command]:
-        commands = [self._commands.get()] if block else []
+        """The commands queued now; when ``block``, wait for one, checking the workers'
+        health every ``IDLE_HEALTH_CHECK_S`` meanwhile (a dead worker raises)."""
+        commands: list[Command] = []
+        while block and not commands:
+            try:
+                commands.append(self._commands.get(timeout=IDLE_HEALTH_CHECK_S))
+            except queue.Empty:
+                self.engine.check_health()
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -243,10 +280,7 @@ class AsyncEngine(SubmitFront):
             try:
                 loop.call_soon_threadsafe(StreamSink.land, batch)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
-                gone = [rid for rid, s in self._sinks.items() if s.loop is loop]
-                self.engine.abort_request(gone)
-                for request_id in gone:
-                    del self._sinks[request_id]
+                self._abort([rid for rid, s in self._sinks.items() if s.loop is loop])
 
     def _fail_everything(self, reason: EngineDeadError) -> None:
         sinks = {id(s): s for s in self._sinks.values()}

@@ -121,8 +121,11 @@ class DataParallelEngine(SubmitFront):
             key = (request.prompt or "")[: AFFINITY_TOKENS * 4].encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % len(self.replicas)
 
-    async def submit(self, requests: list[GenerateRequest]) -> _RoutedStream:
-        """Route the submission to one replica and stream its outputs."""
+    async def submit(
+        self, requests: list[GenerateRequest], *, max_buffered_tokens: int | None = None
+    ) -> _RoutedStream:
+        """Route the submission to one replica and stream its outputs (the replica applies the
+        deadline and ``max_buffered_tokens``, see ``SubmitFront.submit``)."""
         index = self.choose(requests)
         ids = [r.request_id for r in requests]
         # Count the submission before waiting for acceptance, so concurrent submits see it.
@@ -136,7 +139,9 @@ class DataParallelEngine(SubmitFront):
                 self._owner.pop(request_id, None)
 
         try:
-            stream = await self.replicas[index].submit(requests)
+            stream = await self.replicas[index].submit(
+                requests, max_buffered_tokens=max_buffered_tokens
+            )
         except BaseException:
             done()
             raise

@@ -7,6 +7,8 @@ with ``stream=False``, only when it finishes).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import time
 from typing import Any
@@ -58,7 +60,10 @@ class LLMEngine:
             self.tokenizer is not None,
         )
         self.faults: FaultInjector | None = None  # tests set one to inject failures
-        self._deadlines: dict[str, float] = {}
+        # A heap of (deadline, tie-break, request); entries of finished requests stay until
+        # their deadline comes up (or a compaction), so adding and finishing are O(log n).
+        self._deadlines: list[tuple[float, int, RequestState]] = []
+        self._deadline_seq = itertools.count()
         self._requests: dict[str, RequestState] = {}
         # sample id (a request id, or a fork's id) -> (its request, its sample index)
         self._samples: dict[str, tuple[RequestState, int]] = {}
@@ -125,7 +130,7 @@ class LLMEngine:
         for index, fork_id in enumerate(request.pending_fork_ids, start=1):
             self._samples[fork_id] = (state, index)
         if deadline is not None:
-            self._deadlines[request_id] = deadline
+            self._add_deadline(deadline, state)
 
     def _sample_state(self, request: Request, index: int) -> SampleState:
         params = request.sampling_params
@@ -137,15 +142,35 @@ class LLMEngine:
         return SampleState(request, index, detokenizer)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        """Stop requests (and all their samples) now; blocks are freed. Unknown ids are ignored."""
+        """Stop requests (and all their samples) now; blocks are freed. Unknown ids are ignored.
+
+        O(k + n) for k ids among n unfinished requests, however many are aborted at once.
+        """
+        found = {}
         for request_id in request_ids:
             state = self._requests.get(request_id)
             if state is not None:
-                self.scheduler.abort(state.sample_ids)
-                self._forget(state)
+                found[request_id] = state
+        self._finish_states(list(found.values()), RequestStatus.FINISHED_ABORTED)
+
+    def _finish_states(self, states: list[RequestState], status: RequestStatus) -> None:
+        """Finish every sample of ``states`` with ``status`` in one scheduler call; forget them."""
+        if not states:
+            return
+        self.scheduler.abort([sid for state in states for sid in state.sample_ids], status)
+        for state in states:
+            self._forget(state)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def check_health(self) -> None:
+        """Raise ``WorkerDiedError`` if a model worker is gone (every request then fails)."""
+        try:
+            self.executor.check_health()
+        except WorkerDiedError:
+            self._fail_all("a model worker died")
+            raise
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -181,20 +206,31 @@ class LLMEngine:
         if found is None:
             return []
         state = found[0]
-        self.scheduler.abort(state.sample_ids, status)
-        self._forget(state)
+        self._finish_states([state], status)
         logger.warning("request %s failed: %s", state.request_id, error)
         return [state.output(error=error)]
 
+    def _add_deadline(self, deadline: float, state: RequestState) -> None:
+        heap = self._deadlines
+        if len(heap) > 2 * len(self._requests) + 64:  # mostly finished requests: compact
+            heap[:] = [e for e in heap if self._requests.get(e[2].request_id) is e[2]]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (deadline, next(self._deadline_seq), state))
+
     def _expire_deadlines(self) -> list[RequestOutput]:
-        if not self._deadlines:
-            return []
+        """Abort the requests whose deadline passed; O(expired + log n) per step."""
+        heap = self._deadlines
         now = time.monotonic()
-        expired = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
-        outputs = []
-        for request_id in expired:
-            outputs += self._fail(request_id, DEADLINE_EXCEEDED, RequestStatus.FINISHED_ABORTED)
-        return outputs
+        expired: list[RequestState] = []
+        while heap and heap[0][0] <= now:
+            state = heapq.heappop(heap)[2]
+            if self._requests.get(state.request_id) is state:  # not finished (or id reused)
+                expired.append(state)
+        if not expired:
+            return []
+        self._finish_states(expired, RequestStatus.FINISHED_ABORTED)
+        logger.warning("%d request(s) passed their deadline: aborted", len(expired))
+        return [state.output(error=DEADLINE_EXCEEDED) for state in expired]
 
     def _postprocess(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         now = time.time()
@@ -245,9 +281,7 @@ class LLMEngine:
 
     def _fail_all(self, reason: str) -> None:
         """Finish every request with an error (the engine cannot continue)."""
-        for state in list(self._requests.values()):
-            self.scheduler.abort(state.sample_ids, RequestStatus.FINISHED_ERROR)
-            self._forget(state)
+        self._finish_states(list(self._requests.values()), RequestStatus.FINISHED_ERROR)
         logger.error("all requests failed: %s", reason)
 
     def reset_prefix_cache(self) -> bool:
@@ -272,7 +306,6 @@ class LLMEngine:
 
     def _forget(self, state: RequestState) -> None:
         self._requests.pop(state.request_id, None)
-        self._deadlines.pop(state.request_id, None)
         for sample_id in state.sample_ids:
             self._samples.pop(sample_id, None)
 

@@ -6,6 +6,7 @@ rows that share one logits row (``logits_rows``).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -50,21 +51,27 @@ class RandomSampling:
     generators: list[torch.Generator | None]
 
 
+# (row, token ids) per row that needs a processor; the ids are CPU int64 tensors viewing the
+# request's own buffers (built once in ``SamplingParams``), so a step never copies id lists.
+RowTokens = list[tuple[int, torch.Tensor]]
+
+
 @dataclass(slots=True)
 class SamplingMetadata:
-    """Tensors and index lists describing every row's processing.
+    """Tensors and per-row token id tensors describing every row's processing.
 
-    Index lists are ``(rows, token_ids)`` pairs in coordinate form, so each processor is one
-    batched tensor operation over the rows that need it. ``random`` is ``None`` when every row
-    is greedy: such a batch needs no sampling tensors at all.
+    Each processor turns its ``RowTokens`` into one coordinate pair (rows, ids) and applies one
+    batched tensor operation over the rows that need it; ``bias_values`` lines up with ``bias``.
+    ``random`` is ``None`` when every row is greedy: such a batch needs no sampling tensors.
     """
 
     rows: Sequence[SampleSource]
     greedy: list[bool]
     random: RandomSampling | None
-    allowed: tuple[list[int], list[int]] | None
-    bias: tuple[list[int], list[int], list[float]] | None
-    blocked: tuple[list[int], list[int]] | None
+    allowed: RowTokens | None
+    bias: RowTokens | None
+    bias_values: list[torch.Tensor] | None
+    blocked: RowTokens | None
     penalty_rows: list[int]
     max_logprobs: int
 
@@ -104,31 +111,34 @@ def build_sampling_metadata(
     eos_token_ids: frozenset[int],
     device: torch.device,
 ) -> SamplingMetadata:
-    """Collect the rows' parameters into tensors and index lists on ``device``."""
+    """Collect the rows' parameters into tensors and per-row id tensors.
+
+    The work per row does not depend on the length of its id lists (allowed ids, biases, stop
+    ids): those are wrapped, not copied.
+    """
     greedy: list[bool] = []
-    allowed_rows: list[int] = []
-    allowed_ids: list[int] = []
-    bias_rows: list[int] = []
-    bias_ids: list[int] = []
-    bias_values: list[float] = []
-    blocked_rows: list[int] = []
-    blocked_ids: list[int] = []
+    allowed: RowTokens = []
+    bias: RowTokens = []
+    bias_values: list[torch.Tensor] = []
+    blocked: RowTokens = []
+    eos: torch.Tensor | None = None
     penalty_rows: list[int] = []
     max_logprobs = -1
     for i, row in enumerate(rows):
         p = row.sampling_params
         greedy.append(p.greedy)
-        if p.allowed_token_ids is not None:
-            allowed_rows += [i] * len(p.allowed_token_ids)
-            allowed_ids += p.allowed_token_ids
+        if p.allowed_token_array is not None:
+            allowed.append((i, _view(p.allowed_token_array, torch.int64)))
         if p.logit_bias:
-            bias_rows += [i] * len(p.logit_bias)
-            bias_ids += list(p.logit_bias)
-            bias_values += list(p.logit_bias.values())
+            bias.append((i, _view(p.logit_bias_ids, torch.int64)))
+            bias_values.append(_view(p.logit_bias_values, torch.float32))
         if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-            blocked_rows += [i] * len(stops)
-            blocked_ids += sorted(stops)
+            if p.stop_token_ids:
+                blocked.append((i, _view(p.stop_token_array, torch.int64)))
+            if not p.ignore_eos and eos_token_ids:
+                if eos is None:
+                    eos = torch.tensor(sorted(eos_token_ids), dtype=torch.int64)
+                blocked.append((i, eos))
         if p.has_penalties:
             penalty_rows.append(i)
         if p.logprobs is not None and p.logprobs > max_logprobs:
@@ -137,12 +147,26 @@ def build_sampling_metadata(
         rows=rows,
         greedy=greedy,
         random=None if all(greedy) else _random_sampling(rows, greedy, generators, device),
-        allowed=(allowed_rows, allowed_ids) if allowed_rows else None,
-        bias=(bias_rows, bias_ids, bias_values) if bias_rows else None,
-        blocked=(blocked_rows, blocked_ids) if blocked_rows else None,
+        allowed=allowed or None,
+        bias=bias or None,
+        bias_values=bias_values or None,
+        blocked=blocked or None,
         penalty_rows=penalty_rows,
         max_logprobs=max_logprobs,
     )
+
+
+def _view(values: array, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor sharing ``values``' memory (non-empty; read-only by convention)."""
+    return torch.frombuffer(values, dtype=dtype)
+
+
+def coordinates(row_tokens: RowTokens, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, token_ids)`` index tensors on ``device`` for a batched update of the logits."""
+    ids = torch.cat([t for _, t in row_tokens])
+    counts = torch.tensor([len(t) for _, t in row_tokens])
+    rows = torch.repeat_interleave(torch.tensor([r for r, _ in row_tokens]), counts)
+    return rows.to(device), ids.to(device)
 
 
 def _random_sampling(

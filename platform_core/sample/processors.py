@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import torch
 
-from platform_core.sample.metadata import SamplingMetadata
+from platform_core.sample.metadata import SamplingMetadata, coordinates
 
 
 def apply_allowed_bias_and_blocks(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """``allowed_token_ids`` masks, ``logit_bias`` additions and ``min_tokens`` EOS blocking."""
+    device = logits.device
     if meta.allowed is not None:
-        rows, ids = meta.allowed
+        rows, ids = coordinates(meta.allowed, device)
         keep = torch.zeros_like(logits, dtype=torch.bool)
         keep[rows, ids] = True
-        restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
         restricted[rows] = True
         logits = logits.masked_fill(restricted.unsqueeze(1) & ~keep, float("-inf"))
     if meta.bias is not None:
-        rows, ids, values = meta.bias
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
-        values_t = torch.tensor(values, dtype=logits.dtype, device=logits.device)
-        logits = logits.index_put(index, values_t, accumulate=True)
+        rows, ids = coordinates(meta.bias, device)
+        values = torch.cat(meta.bias_values).to(device=device, dtype=logits.dtype)
+        logits = logits.index_put((rows, ids), values, accumulate=True)
     if meta.blocked is not None:
-        rows, ids = meta.blocked
+        rows, ids = coordinates(meta.blocked, device)
         logits = logits.clone()
         logits[rows, ids] = float("-inf")
     return logits

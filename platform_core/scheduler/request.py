@@ -127,7 +127,7 @@ class Request:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
+            if last in params.stop_token_set:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
         if num_output_tokens >= self.max_tokens:

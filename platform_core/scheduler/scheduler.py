@@ -16,8 +16,6 @@ modules.
 
 from __future__ import annotations
 
-from collections import deque
-
 from platform_core.config import CacheConfig, SchedulerConfig
 from platform_core.errors import QueueFullError
 from platform_core.kv_cache.manager import KVCacheManager, KVCacheStats
@@ -25,6 +23,7 @@ from platform_core.scheduler.describe import describe_request
 from platform_core.scheduler.drafts import DraftProposer, fit_drafts, propose_drafts, settle_drafts
 from platform_core.scheduler.forks import fork_samples
 from platform_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from platform_core.scheduler.queue import RequestQueue
 from platform_core.scheduler.request import Request, RequestStatus
 from platform_core.scheduler.stats import SchedulerStats
 
@@ -39,7 +38,7 @@ class Scheduler:
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -90,18 +89,25 @@ class Scheduler:
     def abort(
         self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> list[Request]:
-        """Finish the given requests now and free their blocks; unknown ids are ignored."""
+        """Finish the given requests now and free their blocks; unknown ids are ignored.
+
+        O(k) for k ids plus one pass over the running list (at most ``max_num_seqs``) when a
+        running request is among them; the others keep their order.
+        """
         aborted = []
+        any_running = False
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None or request.status.finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+            if request.status is RequestStatus.RUNNING:
+                any_running = True
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
             aborted.append(request)
+        if any_running:
+            self.running = [r for r in self.running if not r.status.finished]
         return aborted
 
     def finish(self, request_id: str, status: RequestStatus, reason: int | str | None) -> None:
@@ -166,7 +172,7 @@ class Scheduler:
             if num_new > 1:
                 in_flight.update(self.kv.blocks_completed_by(request, num_new))
         while self.waiting and budget > 0:
-            request = self.waiting[0]
+            request = self.waiting.first()
             if seats + request.num_seats > self.config.max_num_seqs:
                 break
             # Prompt logprobs need logits at every prompt position: such prompts are computed.
@@ -222,11 +228,12 @@ class Scheduler:
             # Accepted drafts are known tokens only now: publish blocks after appending.
             cache_computed_blocks(request)
             for sample, sample_status in ended:
+                if sample.status is not running:  # a fork child with no block to run yet
+                    self.waiting.remove(sample)
                 self._finish(sample, sample_status)
                 finished.append(sample)
         if finished:
             self.running = [r for r in self.running if not r.status.finished]
-            self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return finished
 
     def propose_drafts(
