@@ -57,11 +57,3 @@ class DeadlineExceededError(PlatformCoreError, TimeoutError):
 
 class EngineDeadError(PlatformCoreError, RuntimeError):
     """The engine hit an unrecoverable error and serves no more requests."""
-
-
-class DeadlineExceededError(PlatformCoreError, TimeoutError):
-    """A request's deadline passed while it waited for the engine to accept it (HTTP 408)."""
-
-
-class StreamBackpressureError(RequestFailedError):
-    """The client stopped reading a stream for too long; its request was aborted."""

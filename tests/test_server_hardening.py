@@ -300,11 +300,6 @@ def test_nuls_and_non_characters_are_served(base_url, text):
     assert back.json()["prompt"] == text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the forks' seeds overflow int64 in the engine; fixed on the engine side of #27",
-)
 def test_the_largest_seed_with_n_forks_is_served(base_url):
     body = {"prompt": "x", "seed": 2**63 - 1, "n": 4, "max_tokens": 3}
     response = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
