@@ -43,9 +43,13 @@ def live_server(
     engine: AsyncEngine,
     name: str = MODEL_NAME,
     settings: ServerSettings | None = None,
+    send_buffer_bytes: int | None = None,
     **app_kwargs: Any,
 ) -> Iterator[str]:
     """Serve ``engine`` on a free 127.0.0.1 port in a background thread; yield the base URL.
+
+    ``send_buffer_bytes`` fixes the kernel send buffer of every accepted connection (it stops
+    autotuning), so a client that stops reading stalls the server's writes within kilobytes.
 
     The server is the one ``serve`` runs (``make_server``), with the Host allow-list a loopback
     server gets by default; ``settings`` default to ``serve``'s except that a dead engine does
@@ -54,6 +58,8 @@ def live_server(
     app_kwargs.setdefault("allowed_hosts", default_allowed_hosts("127.0.0.1"))
     app = build_app(engine, name, **app_kwargs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if send_buffer_bytes is not None:  # accepted sockets inherit it from the listening one
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     settings = settings or ServerSettings(log_level="warning", exit_on_engine_death=False)

@@ -11,6 +11,7 @@ from platform_core.entrypoints.openai.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CHOICES_PER_REQUEST,
     DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_STREAM_BUFFER_TOKENS,
     DEFAULT_MAX_TOKEN_ID_LIST_LENGTH,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_TOKENIZER_THREADS,
@@ -102,6 +103,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="longer allowed_token_ids, stop_token_ids or logit_bias get 400: they cost every "
         f"step of the batch (default: {DEFAULT_MAX_TOKEN_ID_LIST_LENGTH}; prompt token ids are "
         "bounded by the context length instead)",
+    )
+    serve.add_argument(
+        "--max-stream-buffer-tokens",
+        type=_positive(int),
+        default=DEFAULT_MAX_STREAM_BUFFER_TOKENS,
+        help="tokens per choice generated but not yet read by the client; past it the client "
+        "counts as not reading, its requests are aborted (blocks freed) and a stream ends with "
+        f"an error event (default: {DEFAULT_MAX_STREAM_BUFFER_TOKENS}; a reader that keeps up "
+        "lags by about one step)",
     )
     serve.add_argument(
         "--read-timeout",

@@ -249,6 +249,7 @@ def run_server(args: argparse.Namespace) -> int:
                 args.max_prompts_per_request,
                 args.max_choices_per_request,
                 args.max_token_id_list_length,
+                args.max_stream_buffer_tokens,
             ),
             tokenizer_threads=args.tokenizer_threads,
         )

@@ -17,6 +17,11 @@ DEFAULT_MAX_CHOICES_PER_REQUEST = 1024
 # their length is a per-token cost every other request in the batch pays; real constraint
 # lists are tens to a few thousand ids (ids must be below the vocabulary size anyway).
 DEFAULT_MAX_TOKEN_ID_LIST_LENGTH = 8192
+# Tokens per choice a stream may have generated and not yet sent before its client counts as not
+# reading: its requests are then aborted and their KV blocks freed. A reader that keeps up lags by
+# about one engine step (a token or a few per choice); 2048 is minutes of reading at any human
+# pace and tens of seconds of a stalled socket at this engine's speed.
+DEFAULT_MAX_STREAM_BUFFER_TOKENS = 2048
 # A client has this long to send a whole request (headers and body); slowloris-style
 # connections are closed after it. 30 s lets an 8 MB body through at ~300 KB/s.
 DEFAULT_READ_TIMEOUT = 30.0
@@ -36,6 +41,7 @@ class RequestLimits:
     max_prompts: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
     max_choices: int = DEFAULT_MAX_CHOICES_PER_REQUEST
     max_token_id_list: int = DEFAULT_MAX_TOKEN_ID_LIST_LENGTH
+    max_stream_buffer_tokens: int = DEFAULT_MAX_STREAM_BUFFER_TOKENS  # per choice
 
 
 def default_allowed_hosts(bound_host: str) -> tuple[str, ...]:

@@ -136,8 +136,10 @@ class ServerContext:
             GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now, deadline)
             for i, p in enumerate(prompts)
         ]
+        # A client that stops reading is aborted once every choice lags by the per-choice limit.
+        buffer_limit = self.limits.max_stream_buffer_tokens * len(prompts) * params.n
         # Cancelling the wait (a deadline, the drain) aborts the requests in the engine.
-        return await clock.bound(self.engine.submit(requests))
+        return await clock.bound(self.engine.submit(requests, max_buffered_tokens=buffer_limit))
 
     async def tracked(
         self, stream: RequestStream, clock: RequestClock
