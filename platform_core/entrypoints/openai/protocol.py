@@ -20,8 +20,10 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StringConstraints,
+    Tag,
     model_validator,
 )
 
@@ -132,10 +134,34 @@ class SamplingRequest(_Request):
         return SamplingParams(**settings)
 
 
+def _prompt_shape(value: Any) -> str:
+    """Which form of ``prompt`` a value has, judged by its first element: one union branch is
+    then validated, not each in turn (a failed branch over 500,000 ids costs ~0.2 s of errors).
+    The tags read as types, so error locations leave them out (``errors._is_field``)."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str):
+            return "list[str]"
+        if isinstance(first, list):
+            return "list[list[int]]"
+    return "list[int]"
+
+
+PromptField = Annotated[
+    Annotated[Text, Tag("str")]
+    | Annotated[list[Text], Tag("list[str]")]
+    | Annotated[TokenIds, Tag("list[int]")]
+    | Annotated[list[TokenIds], Tag("list[list[int]]")],
+    Discriminator(_prompt_shape),
+]
+
+
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: ``prompt`` is a string, strings, token ids, or lists of them."""
 
-    prompt: Text | list[Text] | TokenIds | list[TokenIds]
+    prompt: PromptField
     max_tokens: Int64 | None = None
     logprobs: Int64 | None = None
     echo: bool = False
@@ -143,7 +169,7 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is supported."""
+    """One part of a message's content; only ``{"type": "str", "str": ...}`` is supported."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: Text
