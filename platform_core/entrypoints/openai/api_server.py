@@ -25,6 +25,7 @@ from starlette.responses import Response
 from platform_core import __version__
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.data_parallel import DataParallelEngine
+from platform_core.entrypoints.openai.body import OffLoopJsonRoute
 from platform_core.entrypoints.openai.connection import ReadTimeoutH11Protocol
 from platform_core.entrypoints.openai.errors import error_response, install_error_handlers
 from platform_core.entrypoints.openai.limits import (
@@ -93,6 +94,7 @@ def build_app(
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
     app = FastAPI(title="platform-core", version=__version__, docs_url=None, redoc_url=None)
+    app.router.route_class = OffLoopJsonRoute
     app.state.ctx = ctx
     install_error_handlers(app)
 
