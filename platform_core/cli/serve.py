@@ -71,6 +71,31 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "0.0.0.0, since the server's public names are unknown: list them to restrict)",
     )
     serve.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes "
+        "answer with and without it, and links the server makes carry it (default: none)",
+    )
+    serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="write logprobs' tokens as 'token_id:N' rather than their text, for every "
+        "request (as vLLM's flag; default: off, a request may still ask for it)",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests send their own chat_template (also inside chat_template_kwargs); "
+        "without it they get 400: a template is code the server renders, however sandboxed "
+        "(default: off, as in vLLM)",
+    )
+    serve.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template, "
+        "behind the API key; default: off, as in vLLM, since it shows the chat template)",
+    )
+    serve.add_argument(
         "--served-model-name",
         default=None,
         help="model name clients use (default: the --model value, or the packaged model's name)",

@@ -84,14 +84,29 @@ class Preparer:
         (text,) = self._backend.decode_batch([token_ids], skip_special_tokens=False)
         return text
 
-    async def render_chat(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
-        """Prompt ids of ``messages`` through the model's chat template (``render_chat_text``,
-        encoded without adding special tokens again)."""
-        return await self._run(self._render_chat, messages, add_generation_prompt)
+    async def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool,
+        add_special_tokens: bool = False,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Prompt ids of ``messages`` through the model's chat template (``render_chat_text``
+        with ``template_kwargs``), encoded adding no special tokens unless asked: the template
+        writes its own."""
+        return await self._run(
+            self._render_chat, messages, add_generation_prompt, add_special_tokens, template_kwargs
+        )
 
-    def _render_chat(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
-        text = render_chat_text(self.tokenizer, messages, add_generation_prompt)
-        return self._encode(text, False, "messages")
+    def _render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool,
+        add_special_tokens: bool,
+        template_kwargs: dict[str, Any],
+    ) -> list[int]:
+        text = render_chat_text(self.tokenizer, messages, add_generation_prompt, **template_kwargs)
+        return self._encode(text, add_special_tokens, "messages")
 
     def shutdown(self) -> None:
         """Stop the worker threads (work already queued still runs)."""

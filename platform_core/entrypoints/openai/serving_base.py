@@ -59,6 +59,8 @@ class ServerContext:
     metrics: ServerMetrics
     preparer: Preparer
     limits: RequestLimits = field(default_factory=RequestLimits)
+    return_tokens_as_token_ids: bool = False
+    trust_request_chat_template: bool = False
     drain: Drain = field(default_factory=Drain)
     created: int = field(default_factory=lambda: int(time.time()))
 

@@ -8,6 +8,7 @@ model directory, never from a request.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from starlette.responses import Response
@@ -40,9 +41,13 @@ from platform_core.errors import InvalidRequestError
 
 
 async def chat_prompt_ids(
-    ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool
+    ctx: ServerContext,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    **options: Any,
 ) -> list[int]:
-    """Prompt token ids the model's chat template makes of ``messages`` (on a worker thread)."""
+    """Prompt token ids the model's chat template makes of ``messages`` (on a worker thread);
+    ``options`` go to ``Preparer.render_chat``."""
     conversation = []
     for i, message in enumerate(messages):
         content = message.content
@@ -56,7 +61,7 @@ async def chat_prompt_ids(
         if message.name is not None:
             turn["name"] = message.name
         conversation.append(turn)
-    return await ctx.preparer.render_chat(conversation, add_generation_prompt)
+    return await ctx.preparer.render_chat(conversation, add_generation_prompt, **options)
 
 
 class ChatServing:
