@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from server_utils import ENGINE_KEYS, MODEL_NAME, live_server
+from server_utils import ENGINE_KEYS, MODEL_NAME, launch_serve, live_server, wait_for
 from text_model import CHATML_TEMPLATE
 from transformers import AutoTokenizer
 
@@ -186,6 +186,7 @@ def test_root_path_serves_routes_and_links_under_the_prefix(proxied_url, prefix)
     completion = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=3)
     assert completion.usage.completion_tokens == 3
     assert httpx.get(proxied_url + prefix + "/health").status_code == 200  # open, no key
+    assert httpx.get(proxied_url + prefix + "/ping").status_code == 200
     assert httpx.get(proxied_url + prefix + "/v1/models").status_code == 401
     schema = httpx.get(proxied_url + prefix + "/openapi.json", headers=client.auth_headers)
     assert schema.json()["servers"] == [{"url": ROOT}]  # what the server links to
@@ -196,3 +197,24 @@ def test_llm_offers_vllms_tokenizer_and_engine_accessors(model_dir, hf_tokenizer
     tokenizer = llm.get_tokenizer()
     assert tokenizer is llm.tokenizer and llm.llm_engine is llm.engine
     assert tokenizer.encode("hello there") == hf_tokenizer.encode("hello there")
+
+
+def test_serve_flags_reach_the_app(model_dir, tmp_path):
+    flags = (
+        "--root-path",
+        ROOT,
+        "--enable-tokenizer-info-endpoint",
+        "--trust-request-chat-template",
+        "--return-tokens-as-token-ids",  # read by the completions code; here: it parses
+    )
+    served = launch_serve(model_dir, tmp_path / "serve.log", *flags)
+    try:
+        wait_for(served.healthy, 120, "serve did not become healthy")
+        assert httpx.get(served.url + ROOT + "/tokenizer_info").json()["chat_template"]
+        body = {"messages": MESSAGES, "chat_template": TOOLS_TEMPLATE, "tools": TOOLS}
+        tokens = httpx.post(served.url + ROOT + "/tokenize", json=body, timeout=30)
+        assert tokens.status_code == 200, tokens.text
+        schema = httpx.get(served.url + "/openapi.json").json()
+        assert schema["servers"] == [{"url": ROOT}]
+    finally:
+        served.stop()

@@ -57,7 +57,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping and /metrics "
         f"(/metrics too with --guard-metrics; default: ${API_KEY_ENV} if set; an empty key is "
         "an error, not 'no auth')",
     )

@@ -86,7 +86,7 @@ def build_app(
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
-    With ``api_key`` every route but ``/health`` and ``/metrics`` needs
+    With ``api_key`` every route but ``/health``, ``/ping`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>``; ``guard_metrics`` guards ``/metrics`` too. A request
     whose ``Host`` is not in ``allowed_hosts`` gets 400 (``"*"`` allows any). ``root_path`` is
     the prefix a proxy serves the app under (routes answer with and without it). The app does

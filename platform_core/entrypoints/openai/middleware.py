@@ -14,9 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from platform_core.entrypoints.openai.errors import error_body
 from platform_core.entrypoints.openai.limits import ANY_HOST
 
-# Paths reachable without the API key: load balancers probe /health, Prometheus scrapes /metrics
-# (unless the server is told to guard it too).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Paths reachable without the API key: load balancers probe /health (SageMaker: /ping),
+# Prometheus scrapes /metrics (unless the server is told to guard it too).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 async def send_error(send: Send, status: int, message: str, code: str | None = None) -> None:
