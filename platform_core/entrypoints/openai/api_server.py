@@ -47,6 +47,7 @@ from platform_core.entrypoints.openai.middleware import (
     AllowedHostsMiddleware,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    RootPathMiddleware,
 )
 from platform_core.entrypoints.openai.prepare import Preparer
 from platform_core.entrypoints.openai.protocol import (
@@ -109,13 +110,7 @@ def build_app(
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
     root_path = root_path.rstrip("/")
-    app = FastAPI(
-        title="platform-core",
-        version=__version__,
-        docs_url=None,
-        redoc_url=None,
-        root_path=root_path,
-    )
+    app = FastAPI(title="platform-core", version=__version__, docs_url=None, redoc_url=None)
     app.router.route_class = OffLoopJsonRoute
     app.state.ctx = ctx
     install_error_handlers(app)
@@ -166,7 +161,8 @@ def build_app(
         async def get_tokenizer_info() -> JSONResponse:
             return JSONResponse(serving_tokenize.tokenizer_info(engine.tokenizer))
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping")
+    @app.post("/ping")
     async def ping() -> Response:
         return await health()
 
@@ -190,6 +186,8 @@ def build_app(
         open_paths |= {root_path + path for path in open_paths}
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(AllowedHostsMiddleware, hosts=allowed_hosts)
+    if root_path:
+        app.add_middleware(RootPathMiddleware, root_path=root_path)
     return app
 
 

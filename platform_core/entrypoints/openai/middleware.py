@@ -133,3 +133,21 @@ class BodyLimitMiddleware:
         await send_error(
             send, 413, f"the request body is larger than {self.max_bytes} bytes", "body_too_large"
         )
+
+
+class RootPathMiddleware:
+    """Serves the app under ``root_path``, the prefix a reverse proxy adds (``--root-path``).
+
+    Routing strips the prefix when the path has it, so a proxy may keep or strip it; links the
+    app makes (``/openapi.json``'s server URL) carry it. FastAPI's own ``root_path`` argument
+    did this but is deprecated.
+    """
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope["root_path"] = self.root_path
+        await self.app(scope, receive, send)
