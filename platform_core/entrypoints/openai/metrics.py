@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from itertools import accumulate
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -113,7 +114,8 @@ class _EngineCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
-        steps = [(str(b), s[key]) for b, key in zip(STEP_TOKEN_BUCKETS, STEP_BUCKET_KEYS)]
+        cumulative = accumulate(s[key] for key in STEP_BUCKET_KEYS)
+        steps = [(str(b), n) for b, n in zip(STEP_TOKEN_BUCKETS, cumulative, strict=True)]
         yield HistogramMetricFamily(
             PREFIX + "iteration_tokens",
             "Tokens scheduled per engine step (prompt chunks, decodes and drafts).",
