@@ -89,7 +89,11 @@ def build_app(
         engine.tokenizer, engine.vocab_size, engine.max_model_len, tokenizer_threads
     )
     ctx = ServerContext(
-        engine, served_model_name, ServerMetrics(engine), preparer, limits or RequestLimits()
+        engine,
+        served_model_name,
+        ServerMetrics(engine, served_model_name),
+        preparer,
+        limits or RequestLimits(),
     )
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
