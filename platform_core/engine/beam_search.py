@@ -128,9 +128,9 @@ class BeamSearch:
         self.keep = max(2, 1 + len(self.eos)) * params.beam_width
         if self.keep > MAX_LOGPROBS:
             raise InvalidRequestError(
-                f"beam_width={params.beam_width} needs the top {self.keep} tokens per beam; at "
-                f"most {MAX_LOGPROBS} are available (beam_width <= "
-                f"{MAX_LOGPROBS // (self.keep // params.beam_width)} for this model)",
+                f"beam search with {params.beam_width} beams needs the top {self.keep} tokens "
+                f"after each beam; at most {MAX_LOGPROBS} are available, so at most "
+                f"{MAX_LOGPROBS // (self.keep // params.beam_width)} beams for this model",
                 "beam_width",
             )
         self.step_params = SamplingParams(
