@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -244,3 +245,21 @@ def test_beam_search_bad_requests_are_400(base_url, extra, param, engine):
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_beam_search_past_its_timeout_is_aborted_and_frees_blocks(base_url, engine):
+    from server_utils import engine_idle, wait_for
+
+    body = {
+        "prompt": "a long search",
+        "n": 4,
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "use_beam_search": True,
+        "timeout": 0.3,
+    }
+    started = time.monotonic()
+    response = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 408, response.text
+    assert time.monotonic() - started < 5  # 200 rounds would take longer; it stopped at 0.3 s
+    wait_for(lambda: engine_idle(engine), 5, "the aborted beam search left requests or blocks")
