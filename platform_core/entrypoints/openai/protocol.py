@@ -101,6 +101,9 @@ class SamplingRequest(_Request):
     min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     allowed_token_ids: TokenIds | None = None
+    # vLLM's beam search: ``n`` beams ranked by cum_logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
     # Seconds the whole request may take, queueing included; past it the request is aborted.
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 

@@ -36,6 +36,7 @@ from platform_core.entrypoints.openai.serving_base import (
     new_id,
     usage,
 )
+from platform_core.entrypoints.openai.serving_beam import submit_or_search
 from platform_core.errors import InvalidRequestError
 
 
@@ -91,7 +92,7 @@ class ChatServing:
                 exc.param = "top_logprobs"
             raise
         response_id = new_id("chatcmpl")
-        stream = await ctx.submit(response_id, [prompt], params, clock)
+        stream = await submit_or_search(ctx, body, response_id, [prompt], params, clock)
         if body.stream:
             return event_stream(self._chunks(response_id, body, stream, clock))
         finals = await ctx.final_outputs(stream, request, clock)

@@ -26,6 +26,7 @@ from platform_core.entrypoints.openai.serving_base import (
     prompt_index,
     usage,
 )
+from platform_core.entrypoints.openai.serving_beam import submit_or_search
 from platform_core.errors import InvalidRequestError
 
 # OpenAI's default for completions; chat defaults to the room left in the context.
@@ -67,7 +68,7 @@ class CompletionServing:
             prompt_logprobs=body.logprobs if body.echo else None,
         )
         response_id = new_id("cmpl")
-        stream = await ctx.submit(response_id, prompts, params, clock)
+        stream = await submit_or_search(ctx, body, response_id, prompts, params, clock)
         if body.stream:
             return event_stream(self._chunks(response_id, body, echoes, stream, clock))
         finals = await ctx.final_outputs(stream, request, clock)
