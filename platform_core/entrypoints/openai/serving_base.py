@@ -78,7 +78,7 @@ class Prompt:
 @dataclass
 class ServerContext:
     """State every route shares: the engine, the served model's name, the metrics, the
-    tokenizing threads, the request limits and the shutdown deadline."""
+    tokenizing threads, the request limits, the protocol options and the shutdown deadline."""
 
     engine: AsyncEngine
     model_name: str
