@@ -102,7 +102,7 @@ def build_app(
     ctx = ServerContext(
         engine,
         served_model_name,
-        ServerMetrics(engine),
+        ServerMetrics(engine, served_model_name),
         preparer,
         limits or RequestLimits(),
         options,

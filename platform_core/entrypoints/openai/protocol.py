@@ -127,6 +127,9 @@ class SamplingRequest(_Request):
     return_tokens_as_token_ids: bool = False
     # Keep only the last k prompt tokens (-1: as many as the context holds).
     truncate_prompt_tokens: Int64 | None = None
+    # vLLM's beam search: ``n`` beams ranked by cum_logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
     # Seconds the whole request may take, queueing included; past it the request is aborted.
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 

@@ -41,6 +41,7 @@ from platform_core.entrypoints.openai.serving_base import (
     usage,
     with_ignored_header,
 )
+from platform_core.entrypoints.openai.serving_beam import submit_or_search
 from platform_core.errors import InvalidRequestError
 
 
@@ -130,7 +131,7 @@ class ChatServing:
             prompt_logprobs=prompt_logprobs,
         )
         response_id = new_id("chatcmpl")
-        stream = await ctx.submit(response_id, [Prompt(None, ids)], params, clock)
+        stream = await submit_or_search(ctx, body, response_id, [Prompt(None, ids)], params, clock)
         echo = _echo_text(body)
         if body.stream:
             chunks = self._chunks(response_id, created, body, echo, stream, clock)

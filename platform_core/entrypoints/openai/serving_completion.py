@@ -30,6 +30,7 @@ from platform_core.entrypoints.openai.serving_base import (
     usage,
     with_ignored_header,
 )
+from platform_core.entrypoints.openai.serving_beam import submit_or_search
 from platform_core.errors import InvalidRequestError
 
 # OpenAI's default for completions; chat defaults to the room left in the context.
@@ -120,7 +121,7 @@ class CompletionServing:
             body.stream_options is not None and body.stream_options.continuous_usage_stats,
         )
         response_id = new_id("cmpl")
-        stream = await ctx.submit(response_id, prompts, params, clock)
+        stream = await submit_or_search(ctx, body, response_id, prompts, params, clock)
         if body.stream:
             chunks = self._chunks(response_id, created, body, plan, stream, clock)
             return with_ignored_header(event_stream(chunks), ignored)
