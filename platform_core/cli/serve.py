@@ -130,6 +130,25 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"the event loop (default: {DEFAULT_TOKENIZER_THREADS})",
     )
     serve.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="answer 400 to a request field the server does not know (OpenAI's behaviour; by "
+        "default, as in vLLM, unknown fields are ignored, logged and named in the "
+        "x-platform-core-ignored-fields response header, cut at 2048 characters)",
+    )
+    serve.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, as if each request had asked for "
+        "stream_options.include_usage (default: only when asked)",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let chat requests bring their own chat_template (default: refused with 400: a "
+        "template is code, and even sandboxed it can run for long)",
+    )
+    serve.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,

@@ -51,7 +51,7 @@ from platform_core.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from platform_core.entrypoints.openai.serving_base import ServerContext
+from platform_core.entrypoints.openai.serving_base import ServerContext, ServingOptions
 from platform_core.entrypoints.openai.serving_chat import ChatServing, chat_prompt_ids
 from platform_core.entrypoints.openai.serving_completion import CompletionServing
 from platform_core.errors import ConfigError
@@ -75,18 +75,29 @@ def build_app(
     allowed_hosts: tuple[str, ...] = (ANY_HOST,),
     limits: RequestLimits | None = None,
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
+    strict_request_fields: bool = False,
+    return_tokens_as_token_ids: bool = False,
+    enable_force_include_usage: bool = False,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
     With ``api_key`` every route but ``/health`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>``; ``guard_metrics`` guards ``/metrics`` too. A request
-    whose ``Host`` is not in ``allowed_hosts`` gets 400 (``"*"`` allows any). The app does not
-    own the engine: whoever created the engine shuts it down.
+    whose ``Host`` is not in ``allowed_hosts`` gets 400 (``"*"`` allows any). The protocol
+    switches are ``ServingOptions``'. The app does not own the engine: whoever created the
+    engine shuts it down.
     """
     if api_key is not None and not api_key:
         raise ConfigError("the API key is empty; give a non-empty key, or none for no auth")
     preparer = Preparer(
         engine.tokenizer, engine.vocab_size, engine.max_model_len, tokenizer_threads
+    )
+    options = ServingOptions(
+        strict_request_fields,
+        return_tokens_as_token_ids,
+        enable_force_include_usage,
+        trust_request_chat_template,
     )
     ctx = ServerContext(
         engine,
@@ -94,6 +105,7 @@ def build_app(
         ServerMetrics(engine, served_model_name),
         preparer,
         limits or RequestLimits(),
+        options,
     )
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
@@ -258,6 +270,9 @@ def run_server(args: argparse.Namespace) -> int:
                 args.max_stream_buffer_tokens,
             ),
             tokenizer_threads=args.tokenizer_threads,
+            strict_request_fields=args.strict_request_fields,
+            enable_force_include_usage=args.enable_force_include_usage,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
         settings = ServerSettings(
             host=args.host,
