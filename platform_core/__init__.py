@@ -11,10 +11,11 @@ __version__ = "0.1.0"
 apply_openmp_defaults()  # before anything imports torch (see openmp_defaults)
 
 if TYPE_CHECKING:
+    from platform_core.engine.beam_search import BeamSearchParams
     from platform_core.entrypoints.llm import LLM
     from platform_core.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -23,6 +24,10 @@ def __getattr__(name: str):
         from platform_core.entrypoints.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from platform_core.engine.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     if name == "SamplingParams":
         from platform_core.sampling_params import SamplingParams
 

@@ -60,7 +60,11 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
         ("completions", {"prompt": "word " * 400}, "prompt"),
         ("completions", {}, "prompt"),
         ("chat/completions", {"messages": []}, "messages"),
-        ("chat/completions", {"messages": [{"role": "user"}], "tools": []}, "tools"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
         ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
         (
             "chat/completions",

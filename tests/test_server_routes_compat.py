@@ -101,11 +101,11 @@ def test_tokenize_renders_tools_and_template_kwargs(proxied_url, hf_tokenizer):
         ({"messages": MESSAGES, "chat_template": TOOLS_TEMPLATE}, "chat_template"),
         (
             {"messages": MESSAGES, "chat_template_kwargs": {"chat_template": TOOLS_TEMPLATE}},
-            "chat_template",
+            "chat_template_kwargs.chat_template",
         ),
         (
             {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
-            "chat_template_kwargs",
+            "chat_template_kwargs.tokenize",
         ),
         ({"messages": MESSAGES, "tools": "get_weather"}, "tools"),
     ],
@@ -114,6 +114,12 @@ def test_tokenize_refuses_untrusted_templates_and_reserved_kwargs(base_url, body
     response = httpx.post(base_url + "/tokenize", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == param
+
+
+def test_tokenize_names_unknown_fields_in_the_header(base_url):
+    response = httpx.post(base_url + "/tokenize", json={"prompt": "hi", "frobnicate": 1})
+    assert response.status_code == 200
+    assert response.headers["x-platform-core-ignored-fields"] == "frobnicate"
 
 
 def test_tokenize_chat_fields_with_a_prompt_are_a_400(base_url):

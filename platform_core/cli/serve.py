@@ -83,13 +83,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "request (as vLLM's flag; default: off, a request may still ask for it)",
     )
     serve.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="let requests send their own chat_template (also inside chat_template_kwargs); "
-        "without it they get 400: a template is code the server renders, however sandboxed "
-        "(default: off, as in vLLM)",
-    )
-    serve.add_argument(
         "--enable-tokenizer-info-endpoint",
         action="store_true",
         help="serve GET /tokenizer_info (the tokenizer's configuration and chat template, "
@@ -153,6 +146,25 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=DEFAULT_TOKENIZER_THREADS,
         help="worker threads that tokenize, render chat templates and detokenize requests off "
         f"the event loop (default: {DEFAULT_TOKENIZER_THREADS})",
+    )
+    serve.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="answer 400 to a request field the server does not know (OpenAI's behaviour; by "
+        "default, as in vLLM, unknown fields are ignored, logged and named in the "
+        "x-platform-core-ignored-fields response header, cut at 2048 characters)",
+    )
+    serve.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, as if each request had asked for "
+        "stream_options.include_usage (default: only when asked)",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let chat and /tokenize requests bring their own chat_template (default: refused "
+        "with 400: a template is code, and even sandboxed it can run for long)",
     )
     serve.add_argument(
         "--shutdown-timeout",

@@ -106,6 +106,7 @@ class AsyncEngine(SubmitFront):
         self.engine = engine
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.max_model_len = engine.max_model_len
+        self.eos_token_ids = engine.eos_token_ids
         self.vocab_size = engine.vocab_size
         self.default_sampling = dict(engine.default_sampling)
         self._stats = engine.stats()

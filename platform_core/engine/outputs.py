@@ -44,6 +44,7 @@ class RequestMetrics:
     """Timings of one request, in seconds since the epoch (``None`` until reached)."""
 
     arrival_time: float
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0

@@ -156,6 +156,7 @@ class RequestState:
         first = self.samples[0].request
         self.metrics.num_cached_tokens = first.num_cached_tokens
         self.metrics.num_preemptions = num_preemptions
+        self.metrics.scheduled_time = first.scheduled_time or None
         return RequestOutput(  # positional, in field order, as above
             self.request_id,
             self.prompt,

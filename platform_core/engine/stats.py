@@ -5,13 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from platform_core.scheduler.scheduler import Scheduler
+from platform_core.scheduler.stats import STEP_TOKEN_BUCKETS
+
+# Flat keys (summed as they are across data-parallel replicas): steps of more tokens than the
+# previous bound and at most this one (not cumulative: cheap to report after every step).
+STEP_BUCKET_KEYS = tuple(f"num_steps_to_{bound}_tokens" for bound in STEP_TOKEN_BUCKETS)
 
 
 def engine_stats(scheduler: Scheduler) -> dict[str, Any]:
-    """Preemptions, prefix-cache tokens, KV blocks, steps, speculation and queue lengths."""
+    """Preemptions, prefix-cache tokens, KV blocks, steps (their sizes under
+    ``STEP_BUCKET_KEYS``), speculation and queue lengths."""
     s = scheduler.stats
     kv = scheduler.kv_stats()
-    return {
+    stats = {
         "num_steps": s.num_steps,
         "num_preemptions": s.num_preemptions,
         "num_scheduled_tokens": s.num_scheduled_tokens,
@@ -30,3 +36,5 @@ def engine_stats(scheduler: Scheduler) -> dict[str, Any]:
         "num_running": scheduler.num_running,
         "num_waiting": scheduler.num_waiting,
     }
+    stats.update(zip(STEP_BUCKET_KEYS, s.step_token_counts, strict=False))
+    return stats

@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from platform_core.config import EngineConfig
+from platform_core.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from platform_core.engine.llm_engine import LLMEngine
 from platform_core.engine.outputs import RequestOutput
 from platform_core.entrypoints.chat_template import Message, render_chat
@@ -95,6 +96,45 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The best ``params.beam_width`` beams of each prompt, in input order.
+
+        Every round runs one single-token request per live beam (all prompts batched); beams
+        share their common prefix's KV blocks through the prefix cache. See
+        ``engine.beam_search`` for how beams are selected and scored.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.engine
+        search = BeamSearch(
+            [self._prompt_ids(p) for p in prompts],
+            params,
+            engine.eos_token_ids,
+            engine.max_model_len,
+        )
+        with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:
+            while not search.done:
+                rounds = [{"prompt_token_ids": tokens} for tokens in search.pending()]
+                search.advance(self.generate(rounds, search.step_params, use_tqdm=False))
+                bar.update(1)
+        return search.outputs(self.tokenizer)
+
+    def _prompt_ids(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return self.engine.tokenize(prompt)
+        raise InvalidRequestError(
+            "a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'", "prompts"
+        )
 
     def _params_for(
         self, count: int, params: SamplingParams | Sequence[SamplingParams] | None

@@ -63,6 +63,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16
     arrival_time: float = 0.0
+    scheduled_time: float = 0.0  # when first admitted to the running batch (0: not yet)
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

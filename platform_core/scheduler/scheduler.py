@@ -16,6 +16,8 @@ modules.
 
 from __future__ import annotations
 
+import time
+
 from platform_core.config import CacheConfig, SchedulerConfig
 from platform_core.errors import QueueFullError
 from platform_core.kv_cache.manager import KVCacheManager, KVCacheStats
@@ -194,6 +196,8 @@ class Scheduler:
             request.num_computed_tokens = num_cached_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, num_cached_tokens)
             request.status = RequestStatus.RUNNING
+            if not request.scheduled_time:
+                request.scheduled_time = time.time()
             self.running.append(request)
             scheduled.append((request, num_new))
             if num_new > 1:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+# Upper bounds (tokens) of the step-size histogram: powers of two up to a large token budget,
+# the bounds vLLM's ``vllm:iteration_tokens_total`` uses, so both exports share one count.
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(slots=True)
@@ -16,11 +21,16 @@ class SchedulerStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
+    # Steps per ``STEP_TOKEN_BUCKETS`` bound (not cumulative); the last slot: above every bound.
+    step_token_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(STEP_TOKEN_BUCKETS) + 1)
+    )
 
     def record_step(self, num_tokens: int, batch_size: int) -> None:
         """Count one scheduled step of ``num_tokens`` tokens over ``batch_size`` requests."""
         self.num_steps += 1
         self.num_scheduled_tokens += num_tokens
+        self.step_token_counts[bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += 1
         if batch_size > self.max_batch_size:
             self.max_batch_size = batch_size
 

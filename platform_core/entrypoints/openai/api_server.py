@@ -56,7 +56,7 @@ from platform_core.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from platform_core.entrypoints.openai.serving_base import ServerContext
+from platform_core.entrypoints.openai.serving_base import ServerContext, ServingOptions
 from platform_core.entrypoints.openai.serving_chat import ChatServing
 from platform_core.entrypoints.openai.serving_completion import CompletionServing
 from platform_core.errors import ConfigError, InvalidRequestError
@@ -80,32 +80,40 @@ def build_app(
     allowed_hosts: tuple[str, ...] = (ANY_HOST,),
     limits: RequestLimits | None = None,
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS,
-    root_path: str = "",
+    strict_request_fields: bool = False,
     return_tokens_as_token_ids: bool = False,
+    enable_force_include_usage: bool = False,
     trust_request_chat_template: bool = False,
+    root_path: str = "",
     enable_tokenizer_info_endpoint: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
     With ``api_key`` every route but ``/health``, ``/ping`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>``; ``guard_metrics`` guards ``/metrics`` too. A request
-    whose ``Host`` is not in ``allowed_hosts`` gets 400 (``"*"`` allows any). ``root_path`` is
-    the prefix a proxy serves the app under (routes answer with and without it). The app does
-    not own the engine: whoever created the engine shuts it down.
+    whose ``Host`` is not in ``allowed_hosts`` gets 400 (``"*"`` allows any). The protocol
+    switches are ``ServingOptions``'. ``root_path`` is the prefix a proxy serves the app under
+    (routes answer with and without it). The app does not own the engine: whoever created the
+    engine shuts it down.
     """
     if api_key is not None and not api_key:
         raise ConfigError("the API key is empty; give a non-empty key, or none for no auth")
     preparer = Preparer(
         engine.tokenizer, engine.vocab_size, engine.max_model_len, tokenizer_threads
     )
+    options = ServingOptions(
+        strict_request_fields,
+        return_tokens_as_token_ids,
+        enable_force_include_usage,
+        trust_request_chat_template,
+    )
     ctx = ServerContext(
         engine,
         served_model_name,
-        ServerMetrics(engine),
+        ServerMetrics(engine, served_model_name),
         preparer,
         limits or RequestLimits(),
-        return_tokens_as_token_ids=return_tokens_as_token_ids,
-        trust_request_chat_template=trust_request_chat_template,
+        options,
     )
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
@@ -152,8 +160,8 @@ def build_app(
         return await chat.create(body, request)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> JSONResponse:
-        return JSONResponse(await serving_tokenize.tokenize(ctx, body))
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await serving_tokenize.tokenize(ctx, body)
 
     if enable_tokenizer_info_endpoint:
 
@@ -309,9 +317,11 @@ def run_server(args: argparse.Namespace) -> int:
                 args.max_stream_buffer_tokens,
             ),
             tokenizer_threads=args.tokenizer_threads,
-            root_path=args.root_path,
-            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            strict_request_fields=args.strict_request_fields,
+            enable_force_include_usage=args.enable_force_include_usage,
             trust_request_chat_template=args.trust_request_chat_template,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            root_path=args.root_path,
             enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         )
         settings = ServerSettings(

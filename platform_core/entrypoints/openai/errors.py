@@ -142,9 +142,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = next((e for e in errors if e.get("type") not in _TYPE_MISMATCHES), errors[0])
     loc = [str(p) for p in first.get("loc", ()) if _is_field(p)]
     param = ".".join(loc) or None
-    if first.get("type") == "extra_forbidden":
-        message = f"unsupported parameter {param!r}"
-    elif first.get("type") == "json_invalid":
+    if first.get("type") == "json_invalid":
         message = f"the body is not valid JSON: {first.get('msg')}"
     else:
         message = f"{param or 'body'}: {first.get('msg')}"

@@ -11,6 +11,7 @@ so fast tokenizers are called through their backend; others (pure Python) fall b
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -45,17 +46,26 @@ class Preparer:
         return await asyncio.get_running_loop().run_in_executor(self._pool, work, *args)
 
     async def encode(
-        self, text: str, add_special_tokens: bool = True, param: str = "prompt"
+        self,
+        text: str,
+        add_special_tokens: bool = True,
+        param: str = "prompt",
+        keep_last: int | None = None,
     ) -> list[int]:
-        """Token ids of ``text``; a text longer than the context is refused (``param``) before
-        its ids become a Python list."""
+        """Token ids of ``text`` (only the last ``keep_last`` if given); a text longer than the
+        context is refused (``param``) before its ids become a Python list."""
         self._require_tokenizer()
-        return await self._run(self._encode, text, add_special_tokens, param)
+        return await self._run(self._encode, text, add_special_tokens, param, keep_last)
 
-    def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    def _encode(
+        self, text: str, add_special_tokens: bool, param: str, keep_last: int | None = None
+    ) -> list[int]:
         if self._backend is None:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return ids if keep_last is None else ids[-keep_last:]
         (encoding,) = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        if keep_last is not None:
+            encoding.truncate(keep_last, direction="left")
         # Counting is free; the list of a multi-million-token text would hold the GIL for
         # ~100 ms, and such a prompt can never fit the context anyway.
         if len(encoding) > self.max_model_len:
@@ -88,25 +98,39 @@ class Preparer:
         self,
         messages: list[Message],
         add_generation_prompt: bool,
+        chat_template: str | None = None,
+        keep_last: int | None = None,
         add_special_tokens: bool = False,
-        **template_kwargs: Any,
+        **options: Any,
     ) -> list[int]:
-        """Prompt ids of ``messages`` through the model's chat template (``render_chat_text``
-        with ``template_kwargs``), encoded adding no special tokens unless asked: the template
-        writes its own."""
+        """Prompt ids of ``messages`` through the chat template (``render_chat_text`` with
+        ``options``, encoded without adding special tokens again unless ``add_special_tokens``;
+        the last ``keep_last``)."""
         return await self._run(
-            self._render_chat, messages, add_generation_prompt, add_special_tokens, template_kwargs
+            functools.partial(
+                self._render_chat,
+                messages,
+                add_generation_prompt,
+                chat_template,
+                keep_last,
+                add_special_tokens,
+                **options,
+            )
         )
 
     def _render_chat(
         self,
         messages: list[Message],
         add_generation_prompt: bool,
+        chat_template: str | None,
+        keep_last: int | None,
         add_special_tokens: bool,
-        template_kwargs: dict[str, Any],
+        **options: Any,
     ) -> list[int]:
-        text = render_chat_text(self.tokenizer, messages, add_generation_prompt, **template_kwargs)
-        return self._encode(text, add_special_tokens, "messages")
+        text = render_chat_text(
+            self.tokenizer, messages, add_generation_prompt, chat_template, **options
+        )
+        return self._encode(text, add_special_tokens, "messages", keep_last)
 
     def shutdown(self) -> None:
         """Stop the worker threads (work already queued still runs)."""

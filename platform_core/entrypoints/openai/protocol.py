@@ -1,9 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests reject unknown fields: a typo or an unsupported OpenAI feature (``tools``, ``suffix``...)
-is a 400 that names the field rather than being silently ignored. Types are strict, as OpenAI's
-schema says: an integer field takes a JSON integer (not ``2.0`` or ``true``), a boolean a JSON
-boolean (not ``"yes"``); a number field takes any JSON number. Integers are bounded to int64,
+Unknown request fields are accepted and ignored, as vLLM does (``ignored_fields`` names them, for a
+log line and a response header; ``--strict-request-fields`` makes them a 400). Types are strict, as
+OpenAI's schema says: an integer field takes a JSON integer (not ``2.0`` or ``true``), a boolean a
+JSON boolean (not ``"yes"``); a number field takes any JSON number. Integers are bounded to int64,
 what JSON APIs and torch can carry. Text fields refuse lone surrogates (JSON ``"\ud800"``: not
 Unicode, so no tokenizer or UTF-8 encoder takes them); NULs and non-characters are valid Unicode
 and pass. The ranges of sampling values are checked in one place, ``SamplingParams``, when
@@ -65,13 +65,30 @@ _DEFAULTABLE = (
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields ``model`` (and the models inside it) kept but does not know,
+    e.g. ``["store", "messages.0.cache_control"]``."""
+    names = [prefix + name for name in model.model_extra or {}]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            names += ignored_fields(value, f"{prefix}{name}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    names += ignored_fields(item, f"{prefix}{name}.{i}.")
+    return names
 
 
 class StreamOptions(_Request):
-    """``include_usage``: one last chunk with usage and no choices."""
+    """``include_usage``: one last chunk with usage and no choices; ``continuous_usage_stats``:
+    usage (so far) in every chunk too."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(_Request):
@@ -89,7 +106,11 @@ class SamplingRequest(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[TokenIdKey, float] | None = None
+    # OpenAI fields that change nothing here (no stored completions, one service tier).
     user: Text | None = None
+    store: bool | None = None
+    metadata: dict[Text, Text] | None = None
+    service_tier: Text | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: Int64 | None = None
@@ -101,12 +122,16 @@ class SamplingRequest(_Request):
     min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     allowed_token_ids: TokenIds | None = None
+    prompt_logprobs: Int64 | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    # Keep only the last k prompt tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: Int64 | None = None
+    # vLLM's beam search: ``n`` beams ranked by cum_logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
     # Seconds the whole request may take, queueing included; past it the request is aborted.
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
 
     def deadline(self) -> float | None:
         """``timeout`` as a ``time.monotonic()`` deadline counted from now; ``None`` if unset."""
@@ -166,6 +191,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: Int64 | None = None
     echo: bool = False
     best_of: Int64 | None = None
+    # Fill-in-the-middle; refused unless empty (no served model renders it).
+    suffix: Text | None = None
 
 
 class ContentPart(BaseModel):
@@ -193,6 +220,14 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # Prepend the last message's content to the reply when it is the assistant's.
+    echo: bool = False
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # Tool calling is not implemented: an empty list is accepted, any tool refused.
+    tools: list[dict[Text, Any]] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -210,9 +245,9 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool | None = False
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[Text, Any]] | None = None
     chat_template: Text | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -229,16 +264,6 @@ class TokenizeRequest(_Request):
                 )
             self.add_generation_prompt = False  # its default gives way to the explicit field
         return self
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """What reaches the chat template besides the messages: ``chat_template_kwargs``, then
-        ``tools`` and ``continue_final_message`` (the fields win, as in vLLM)."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        kwargs.pop("add_generation_prompt", None)
-        if self.tools is not None:
-            kwargs["tools"] = self.tools
-        kwargs["continue_final_message"] = self.continue_final_message
-        return kwargs
 
 
 _CHAT_ONLY_TOKENIZE_FIELDS = frozenset(
@@ -280,12 +305,29 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in ``prompt_logprobs`` (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first is null), token id -> its entry.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
+    """A completion choice; the vLLM fields are null unless asked for."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -324,15 +366,20 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
+    """A whole chat completion; the vLLM prompt fields are null unless asked for."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -346,6 +393,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -355,3 +403,4 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None

@@ -5,6 +5,8 @@ framing, usage."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -18,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.llm_engine import DEADLINE_EXCEEDED
-from platform_core.engine.outputs import CompletionOutput, RequestOutput
+from platform_core.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream
 from platform_core.entrypoints.openai.deadline import Drain, RequestClock
 from platform_core.entrypoints.openai.errors import (
@@ -30,15 +32,39 @@ from platform_core.entrypoints.openai.limits import RequestLimits
 from platform_core.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from platform_core.entrypoints.openai.prepare import Preparer
 from platform_core.entrypoints.openai.protocol import (
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
+    ignored_fields,
 )
 from platform_core.errors import InvalidRequestError, RequestFailedError
-from platform_core.sampling_params import SamplingParams
+from platform_core.sampling_params import MAX_LOGPROBS, SamplingParams
 
+logger = logging.getLogger("platform_core.server")
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
+IGNORED_FIELDS_HEADER = "x-platform-core-ignored-fields"
+# The header is cut (ending in ",...") past this many characters: HTTP clients refuse
+# header blocks of tens of KB (h11, under httpx and the OpenAI SDK, at 16 KiB).
+MAX_IGNORED_HEADER_CHARS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class ServingOptions:
+    """Server-wide protocol switches (``serve`` flags).
+
+    ``strict_request_fields``: an unknown request field is a 400 instead of being ignored.
+    ``return_tokens_as_token_ids``: logprob tokens are ``token_id:N`` for every request.
+    ``enable_force_include_usage``: every stream ends with a usage chunk.
+    ``trust_request_chat_template``: a request may bring its own ``chat_template``.
+    """
+
+    strict_request_fields: bool = False
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    trust_request_chat_template: bool = False
 
 
 @dataclass(slots=True)
@@ -52,15 +78,14 @@ class Prompt:
 @dataclass
 class ServerContext:
     """State every route shares: the engine, the served model's name, the metrics, the
-    tokenizing threads, the request limits and the shutdown deadline."""
+    tokenizing threads, the request limits, the protocol options and the shutdown deadline."""
 
     engine: AsyncEngine
     model_name: str
     metrics: ServerMetrics
     preparer: Preparer
     limits: RequestLimits = field(default_factory=RequestLimits)
-    return_tokens_as_token_ids: bool = False
-    trust_request_chat_template: bool = False
+    options: ServingOptions = field(default_factory=ServingOptions)
     drain: Drain = field(default_factory=Drain)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -68,19 +93,89 @@ class ServerContext:
         self,
         response_type: type[BaseModel],
         response_id: str,
+        created: int,
         choices: list[Any],
-        finals: list[RequestOutput],
+        usage_info: UsageInfo,
+        **fields: Any,
     ) -> Response:
-        """A whole (non-streamed) response: ``response_type`` with ``choices`` and the fields
-        every response shares (id, created, model, usage over ``finals``)."""
+        """A whole (non-streamed) response: ``response_type`` with ``choices``, ``fields`` and
+        what every response has (id, its own creation time, model, usage)."""
         body = response_type(
             id=response_id,
-            created=self.created,
+            created=created,
             model=self.model_name,
             choices=choices,
-            usage=usage(finals),
+            usage=usage_info,
+            **fields,
         )
         return Response(body.model_dump_json(), media_type="application/json")
+
+    def check_fields(self, body: BaseModel, route: str) -> list[str]:
+        """The unknown fields ``body`` has, which the server ignores (logged here, once per
+        request), or a 400 naming the first with ``strict_request_fields``."""
+        ignored = ignored_fields(body)
+        if ignored and self.options.strict_request_fields:
+            raise InvalidRequestError(
+                f"unsupported parameter {ignored[0]!r} (the server runs with "
+                "--strict-request-fields)",
+                ignored[0],
+            )
+        if ignored:
+            logger.info("%s: ignored unknown request fields: %s", route, ", ".join(ignored))
+        return ignored
+
+    def check_request(self, body: SamplingRequest, route: str) -> list[str]:
+        """Checks every generation request gets first; returns the unknown fields it ignores
+        (``check_fields``)."""
+        ignored = self.check_fields(body, route)
+        if body.stream_options is not None and not body.stream:
+            raise InvalidRequestError("stream_options needs stream: true", "stream_options")
+        if body.prompt_logprobs is not None and body.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when streaming", "prompt_logprobs"
+            )
+        limit = self.engine.max_model_len
+        if body.truncate_prompt_tokens is not None and not (
+            body.truncate_prompt_tokens == -1 or 1 <= body.truncate_prompt_tokens <= limit
+        ):
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be -1 (the context) or in [1, {limit}] (the "
+                f"model's context), got {body.truncate_prompt_tokens}",
+                "truncate_prompt_tokens",
+            )
+        return ignored
+
+    def keep_last(self, body: SamplingRequest) -> int | None:
+        """How many prompt tokens ``truncate_prompt_tokens`` keeps (``None``: all)."""
+        if body.truncate_prompt_tokens == -1:
+            return self.engine.max_model_len
+        return body.truncate_prompt_tokens
+
+    def include_usage(self, body: SamplingRequest) -> bool:
+        """Whether a stream ends with a usage chunk (asked, or forced by the server)."""
+        options = body.stream_options
+        asked = options is not None and (options.include_usage or options.continuous_usage_stats)
+        return asked or self.options.enable_force_include_usage
+
+    def tokens_as_ids(self, body: SamplingRequest) -> bool:
+        """Whether logprob tokens are written ``token_id:N``."""
+        return body.return_tokens_as_token_ids or self.options.return_tokens_as_token_ids
+
+    def logprob_count(self, value: int | None, name: str) -> int | None:
+        """``value`` with -1 read as the whole vocabulary (vLLM's meaning), bounded by
+        ``MAX_LOGPROBS`` (vLLM's default ``--max-logprobs``)."""
+        if value is None or 0 <= value <= MAX_LOGPROBS:
+            return value
+        if value == -1:
+            raise InvalidRequestError(
+                f"{name}=-1 asks for the whole vocabulary ({self.engine.vocab_size} tokens); at "
+                f"most {MAX_LOGPROBS} are returned per token",
+                name,
+            )
+        raise InvalidRequestError(
+            f"{name} must be -1 (the whole vocabulary) or in [0, {MAX_LOGPROBS}], got {value}",
+            name,
+        )
 
     def check_model(self, model: str | None) -> None:
         """An absent model means the served one; any other name is a 404."""
@@ -250,10 +345,41 @@ class DeltaTracker:
         return deltas
 
 
-def usage(finals: list[RequestOutput]) -> UsageInfo:
-    """Token counts over a response's requests (a prompt counts once whatever ``n`` is)."""
+def with_ignored_header(response: Response, ignored: list[str]) -> Response:
+    """``response`` naming the ignored request fields in ``IGNORED_FIELDS_HEADER`` (JSON-escaped,
+    so any name is one ASCII header line)."""
+    if ignored:
+        value = ",".join(json.dumps(name)[1:-1] for name in ignored)
+        if len(value) > MAX_IGNORED_HEADER_CHARS:
+            value = value[:MAX_IGNORED_HEADER_CHARS].rpartition(",")[0] + ",..."
+        response.headers[IGNORED_FIELDS_HEADER] = value
+    return response
+
+
+def format_prompt_logprobs(
+    positions: list[PositionLogprobs | None] | None,
+) -> PromptLogprobs | None:
+    """The engine's prompt logprobs in vLLM's response shape."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for t, lp in position.items()
+        }
+        for position in positions
+    ]
+
+
+def usage(finals: list[RequestOutput], count_completions: bool = True) -> UsageInfo:
+    """Token counts over a response's requests (a prompt counts once whatever ``n`` is);
+    without ``count_completions`` nothing generated is counted (echo with ``max_tokens: 0``)."""
     prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    completion = 0
+    if count_completions:
+        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=completion,

@@ -1,12 +1,14 @@
 """``POST /v1/chat/completions``: the model's chat template, then generation, whole or streamed.
 
 Templates are rendered by ``entrypoints.chat_template.render_chat_text`` (transformers' sandboxed
-Jinja, encoded without adding special tokens again, on a worker thread) and come only from the
-model directory, never from a request.
+Jinja, encoded without adding special tokens again, on a worker thread) and come from the model
+directory; a request's own ``chat_template`` only with ``--trust-request-chat-template`` (a
+template is code: a sandboxed one still can loop for long).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,9 +36,12 @@ from platform_core.entrypoints.openai.serving_base import (
     Prompt,
     ServerContext,
     event_stream,
+    format_prompt_logprobs,
     new_id,
     usage,
+    with_ignored_header,
 )
+from platform_core.entrypoints.openai.serving_beam import submit_or_search
 from platform_core.errors import InvalidRequestError
 
 
@@ -44,10 +49,11 @@ async def chat_prompt_ids(
     ctx: ServerContext,
     messages: list[ChatMessage],
     add_generation_prompt: bool,
+    keep_last: int | None = None,
     **options: Any,
 ) -> list[int]:
-    """Prompt token ids the model's chat template makes of ``messages`` (on a worker thread);
-    ``options`` go to ``Preparer.render_chat``."""
+    """Prompt token ids the chat template makes of ``messages`` (on a worker thread); ``options``
+    are ``render_chat_text``'s (``chat_template``, ``continue_final_message``...)."""
     conversation = []
     for i, message in enumerate(messages):
         content = message.content
@@ -61,7 +67,19 @@ async def chat_prompt_ids(
         if message.name is not None:
             turn["name"] = message.name
         conversation.append(turn)
-    return await ctx.preparer.render_chat(conversation, add_generation_prompt, **options)
+    return await ctx.preparer.render_chat(
+        conversation, add_generation_prompt, keep_last=keep_last, **options
+    )
+
+
+def _echo_text(body: ChatCompletionRequest) -> str:
+    """What ``echo`` prepends: the last message's text when it is the assistant's."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant" or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content if part.text is not None)
 
 
 class ChatServing:
@@ -73,32 +91,51 @@ class ChatServing:
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Render, tokenize, submit, then answer with JSON or an event stream."""
         ctx = self.ctx
+        created = int(time.time())
         clock = ctx.drain.clock(body.deadline())
+        ignored = ctx.check_request(body, "chat/completions")
         ctx.check_model(body.model)
         ctx.check_limits(body, 1)
-        ids = await clock.bound(chat_prompt_ids(ctx, body.messages, body.add_generation_prompt))
-        prompt = Prompt(None, ids)
-        if body.top_logprobs is not None and not body.logprobs:
+        if body.tools:
+            raise InvalidRequestError("tool calling is not supported; omit tools", "tools")
+        if body.chat_template is not None and not ctx.options.trust_request_chat_template:
+            raise InvalidRequestError(
+                "this server does not take chat templates from requests (start it with "
+                "--trust-request-chat-template to allow them)",
+                "chat_template",
+            )
+        if body.top_logprobs not in (None, 0) and not body.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        top_logprobs = ctx.logprob_count(body.top_logprobs, "top_logprobs")
+        prompt_logprobs = ctx.logprob_count(body.prompt_logprobs, "prompt_logprobs")
+        ids = await clock.bound(
+            chat_prompt_ids(
+                ctx,
+                body.messages,
+                body.add_generation_prompt,
+                ctx.keep_last(body),
+                chat_template=body.chat_template,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        )
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = ctx.engine.default_sampling.get("max_tokens")
-        try:
-            params = body.sampling_params(
-                ctx.engine.default_sampling,
-                max_tokens=max_tokens,
-                logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            )
-        except InvalidRequestError as exc:
-            if exc.param == "logprobs":
-                exc.param = "top_logprobs"
-            raise
+        params = body.sampling_params(
+            ctx.engine.default_sampling,
+            max_tokens=max_tokens,
+            logprobs=(top_logprobs or 0) if body.logprobs else None,
+            prompt_logprobs=prompt_logprobs,
+        )
         response_id = new_id("chatcmpl")
-        stream = await ctx.submit(response_id, [prompt], params, clock)
+        stream = await submit_or_search(ctx, body, response_id, [Prompt(None, ids)], params, clock)
+        echo = _echo_text(body)
         if body.stream:
-            return event_stream(self._chunks(response_id, body, stream, clock))
+            chunks = self._chunks(response_id, created, body, echo, stream, clock)
+            return with_ignored_header(event_stream(chunks), ignored)
         finals = await ctx.final_outputs(stream, request, clock)
         if finals is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
@@ -106,49 +143,69 @@ class ChatServing:
         choices = [
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=c.text),
+                message=AssistantMessage(content=echo + c.text),
                 logprobs=self._logprobs(body, c.token_ids, c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if body.return_token_ids else None,
             )
             for c in final.outputs
         ]
-        return ctx.full_response(ChatCompletionResponse, response_id, choices, finals)
+        response = ctx.full_response(
+            ChatCompletionResponse,
+            response_id,
+            created,
+            choices,
+            usage(finals),
+            prompt_token_ids=final.prompt_token_ids if body.return_token_ids else None,
+            prompt_logprobs=format_prompt_logprobs(final.prompt_logprobs)
+            if prompt_logprobs is not None
+            else None,
+        )
+        return with_ignored_header(response, ignored)
 
     async def _chunks(
         self,
         response_id: str,
+        created: int,
         body: ChatCompletionRequest,
+        echo: str,
         stream: RequestStream,
         clock: RequestClock,
     ) -> AsyncIterator[ChatCompletionChunk]:
+        """One chunk per choice delta (what OpenAI's and vLLM's clients read)."""
         ctx = self.ctx
         tracker = DeltaTracker()
         final: RequestOutput | None = None
+        continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
         async for output in ctx.tracked(stream, clock):
             final = output
-            choices = [
-                ChatStreamChoice(
+            for d in tracker.deltas(0, output):
+                ids = d.completion.token_ids[d.start :]
+                choice = ChatStreamChoice(
                     index=d.index,
-                    delta=DeltaMessage(role="assistant" if d.first else None, content=d.text),
-                    logprobs=self._logprobs(
-                        body,
-                        d.completion.token_ids[d.start :],
-                        (d.completion.logprobs or [])[d.start :],
+                    delta=DeltaMessage(
+                        role="assistant" if d.first else None,
+                        content=(echo if d.first else "") + d.text,
                     ),
+                    logprobs=self._logprobs(body, ids, (d.completion.logprobs or [])[d.start :]),
                     finish_reason=d.completion.finish_reason,
                     stop_reason=d.completion.stop_reason,
+                    token_ids=ids if body.return_token_ids else None,
                 )
-                for d in tracker.deltas(0, output)
-            ]
-            if choices:
+                first_ids = body.return_token_ids and d.first
                 yield ChatCompletionChunk(
-                    id=response_id, created=ctx.created, model=ctx.model_name, choices=choices
+                    id=response_id,
+                    created=created,
+                    model=ctx.model_name,
+                    choices=[choice],
+                    usage=usage([output]) if continuous else None,
+                    prompt_token_ids=output.prompt_token_ids if first_ids else None,
                 )
-        if body.include_usage and final is not None:
+        if ctx.include_usage(body) and final is not None:
             yield ChatCompletionChunk(
                 id=response_id,
-                created=ctx.created,
+                created=created,
                 model=ctx.model_name,
                 choices=[],
                 usage=usage([final]),
@@ -163,16 +220,17 @@ class ChatServing:
         if not body.logprobs:
             return None
         top_n = body.top_logprobs or 0
+        as_ids = self.ctx.tokens_as_ids(body)
         content = []
         for token_id, position in zip(token_ids, positions or []):
             ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)[:top_n]
-            top = [self._entry(t, lp.logprob, lp.decoded_token) for t, lp in ranked]
+            top = [self._entry(t, lp.logprob, lp.decoded_token, as_ids) for t, lp in ranked]
             chosen = position[token_id]
-            entry = self._entry(token_id, chosen.logprob, chosen.decoded_token)
+            entry = self._entry(token_id, chosen.logprob, chosen.decoded_token, as_ids)
             content.append(TokenLogprob(**entry.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
 
-    def _entry(self, token_id: int, logprob: float, text: str | None) -> TopLogprob:
-        if text is None:
+    def _entry(self, token_id: int, logprob: float, text: str | None, as_id: bool) -> TopLogprob:
+        if text is None or as_id:
             text = f"token_id:{token_id}"
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))

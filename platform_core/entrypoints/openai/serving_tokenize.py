@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi.responses import JSONResponse
+from starlette.responses import Response
+
 from platform_core.entrypoints.openai.protocol import TokenizeRequest
-from platform_core.entrypoints.openai.serving_base import ServerContext
+from platform_core.entrypoints.openai.serving_base import ServerContext, with_ignored_header
 from platform_core.entrypoints.openai.serving_chat import chat_prompt_ids
 from platform_core.errors import InvalidRequestError
 
@@ -13,17 +16,14 @@ from platform_core.errors import InvalidRequestError
 _PATH_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
 
 
-async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict[str, Any]:
+async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> Response:
     """``{count, max_model_len, tokens, token_strs}``: ``token_strs`` only with
     ``return_token_strs`` (else null); a request's own ``chat_template`` only when the server
-    trusts them (``--trust-request-chat-template``)."""
+    trusts them (``--trust-request-chat-template``). Unknown fields as for generation requests."""
+    ignored = ctx.check_fields(body, "/tokenize")
     ctx.check_model(body.model)
     if body.messages is not None:
-        options = body.template_kwargs()
-        # vLLM reads a template from chat_template_kwargs too: it is just as untrusted.
-        kwargs_template = options.pop("chat_template", None)
-        template = body.chat_template if body.chat_template is not None else kwargs_template
-        if template is not None and not ctx.trust_request_chat_template:
+        if body.chat_template is not None and not ctx.options.trust_request_chat_template:
             raise InvalidRequestError(
                 "this server does not take chat templates from requests "
                 "(start it with --trust-request-chat-template)",
@@ -34,8 +34,10 @@ async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict[str, Any]:
             body.messages,
             body.add_generation_prompt,
             add_special_tokens=bool(body.add_special_tokens),
-            chat_template=template,
-            **options,
+            chat_template=body.chat_template,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.chat_template_kwargs,
+            tools=body.tools,
         )
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -43,12 +45,13 @@ async def tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict[str, Any]:
     token_strs = None
     if body.return_token_strs:
         token_strs = ctx.preparer.tokenizer.convert_ids_to_tokens(tokens)
-    return {
+    answer = {
         "count": len(tokens),
         "max_model_len": ctx.engine.max_model_len,
         "tokens": tokens,
         "token_strs": token_strs,
     }
+    return with_ignored_header(JSONResponse(answer), ignored)
 
 
 def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
