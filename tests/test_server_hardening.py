@@ -323,6 +323,34 @@ def test_lone_surrogates_are_400_naming_the_field(base_url, route, body, param):
     assert error["type"] == "invalid_request_error"
 
 
+# Raw bytes that are not UTF-8 where a text goes (0xFF, a cut sequence, an overlong form), in a
+# small body and in one over the off-loop decoding threshold.
+INVALID_UTF8 = [b"\xff\xfe", b"\xc3(", b"\xe2\x82", b"\xc0\xaf"]
+
+
+@pytest.mark.parametrize("bad", INVALID_UTF8, ids=lambda b: b.hex())
+@pytest.mark.parametrize(
+    ("route", "template"),
+    [
+        ("/v1/completions", b'{"prompt": "a%sb", "max_tokens": 2}'),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["%s"], "max_tokens": 2}'),
+        ("/v1/completions", b'{"prompt": "x", "logit_bias": {"%s": 1}, "max_tokens": 2}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "%s"}]}'),
+        ("/v1/completions", b'{"prompt": "%s' + b"a" * (300 << 10) + b'", "max_tokens": 2}'),
+    ],
+    ids=["prompt", "stop", "logit_bias", "message", "big-body"],
+)
+def test_invalid_utf8_bytes_are_400(base_url, route, template, bad):
+    response = httpx.post(
+        base_url + route,
+        content=template.replace(b"%s", bad),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    error = _error(response, 400)
+    assert "invalid UTF-8" in error["message"], error
+
+
 @pytest.mark.parametrize("text", ["NUL\x00here", "non-character \ufffe\uffff\ufdd0 here"])
 def test_nuls_and_non_characters_are_served(base_url, text):
     completion = _post_raw(base_url, {"prompt": text, "max_tokens": 2, "stop": [text[:4]]})

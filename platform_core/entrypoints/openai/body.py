@@ -42,10 +42,13 @@ class OffLoopJsonRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
-            if len(body) <= INLINE_BODY_BYTES:
-                self._json = json.loads(body)
-            else:
-                self._json = await asyncio.to_thread(decode_body, body)
+            try:
+                if len(body) <= INLINE_BODY_BYTES:
+                    self._json = json.loads(body)
+                else:
+                    self._json = await asyncio.to_thread(decode_body, body)
+            except UnicodeDecodeError as exc:  # FastAPI answers JSON errors as 400s naming them
+                raise json.JSONDecodeError(f"invalid UTF-8 ({exc.reason})", "", exc.start) from None
         return self._json
 
 

@@ -142,10 +142,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = next((e for e in errors if e.get("type") not in _TYPE_MISMATCHES), errors[0])
     loc = [str(p) for p in first.get("loc", ()) if _is_field(p)]
     param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        message = f"the body is not valid JSON: {first.get('msg')}"
-    else:
-        message = f"{param or 'body'}: {first.get('msg')}"
+    if first.get("type") == "json_invalid":  # its location is an offset, not a field
+        error = (first.get("ctx") or {}).get("error", "")
+        return f"the body is not valid JSON: {error} (at offset {loc[0] if loc else 0})", None
+    message = f"{param or 'body'}: {first.get('msg')}"
     more = len(errors) - 1
     return message + (f" (and {more} more error{'s' * (more > 1)})" if more else ""), param
 
