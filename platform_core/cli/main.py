@@ -9,34 +9,9 @@ import sys
 from platform_core.cli.bench import add_bench_parser
 from platform_core.cli.chat import add_chat_parser
 from platform_core.cli.conformance import add_conformance_parser
+from platform_core.cli.generate import add_generate_parser
 from platform_core.cli.serve import add_serve_parser
-from platform_core.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from platform_core.errors import PlatformCoreError
-
-DEMO_PROMPT = "The capital of France is"
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from platform_core.entrypoints.llm import LLM
-    from platform_core.sampling_params import SamplingParams
-
-    llm = LLM(config=engine_config_from_args(args))
-    overrides = {
-        k: v
-        for k, v in (
-            ("max_tokens", args.max_tokens),
-            ("temperature", args.temperature),
-            ("top_p", args.top_p),
-            ("top_k", args.top_k),
-            ("seed", args.sampling_seed),
-        )
-        if v is not None
-    }
-    params = SamplingParams(**{**llm.engine.default_sampling, **overrides})
-    for prompt in args.prompt or [DEMO_PROMPT]:
-        output = llm.generate(prompt, params, use_tqdm=False)[0]
-        print(output.outputs[0].text, flush=True)
-    return 0
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
@@ -84,18 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    generate = commands.add_parser("generate", help="complete one or more prompts and print them")
-    generate.add_argument(
-        "--prompt", action="append", help=f"prompt text (repeatable; default {DEMO_PROMPT!r})"
-    )
-    generate.add_argument("--max-tokens", type=int, default=None)
-    generate.add_argument("--temperature", type=float, default=None)
-    generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--top-k", type=int, default=None)
-    generate.add_argument("--sampling-seed", type=int, default=None)
-    add_engine_args(generate)
-    generate.set_defaults(func=_cmd_generate)
-
+    add_generate_parser(commands)
     add_chat_parser(commands)
     add_conformance_parser(commands)
     add_serve_parser(commands)

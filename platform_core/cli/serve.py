@@ -57,7 +57,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        help=f"require 'Authorization: Bearer KEY' on every route but /health, /ping and /metrics "
         f"(/metrics too with --guard-metrics; default: ${API_KEY_ENV} if set; an empty key is "
         "an error, not 'no auth')",
     )
@@ -69,6 +69,24 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "allows any (default: localhost, 127.0.0.1, ::1 and the --host address when bound to "
         "loopback, which keeps DNS-rebinding pages out; any host when bound elsewhere, e.g. "
         "0.0.0.0, since the server's public names are unknown: list them to restrict)",
+    )
+    serve.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a reverse proxy serves this server under (e.g. /llm): routes "
+        "answer with and without it, and links the server makes carry it (default: none)",
+    )
+    serve.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="write logprobs' tokens as 'token_id:N' rather than their text, for every "
+        "request (as vLLM's flag; default: off, a request may still ask for it)",
+    )
+    serve.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template, "
+        "behind the API key; default: off, as in vLLM, since it shows the chat template)",
     )
     serve.add_argument(
         "--served-model-name",
@@ -145,8 +163,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve.add_argument(
         "--trust-request-chat-template",
         action="store_true",
-        help="let chat requests bring their own chat_template (default: refused with 400: a "
-        "template is code, and even sandboxed it can run for long)",
+        help="let chat and /tokenize requests bring their own chat_template (default: refused "
+        "with 400: a template is code, and even sandboxed it can run for long)",
     )
     serve.add_argument(
         "--shutdown-timeout",

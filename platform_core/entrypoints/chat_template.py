@@ -46,11 +46,13 @@ def render_chat_text(
     *,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text the chat template makes of ``messages`` (special tokens included).
 
     ``continue_final_message`` leaves the last message open for the model to go on with;
-    ``template_kwargs`` are extra variables for the template (``enable_thinking``...).
+    ``template_kwargs`` are extra variables for the template (``enable_thinking``...);
+    ``tools`` (OpenAI tool definitions) are the template's ``tools``.
     """
     if tokenizer is None:
         raise InvalidRequestError("chat needs a tokenizer; this model has none", "messages")
@@ -87,6 +89,7 @@ def render_chat_text(
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
             tokenize=False,
             **template_kwargs,
         )

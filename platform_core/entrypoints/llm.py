@@ -40,6 +40,16 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine, under vLLM's attribute name (``engine`` is the same object)."""
+        return self.engine
+
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (``None`` for a model without one), as vLLM's
+        ``LLM.get_tokenizer()``."""
+        return self.engine.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams carrying the model's generation-config defaults."""
         return SamplingParams(**self.engine.default_sampling)

@@ -169,7 +169,11 @@ def load_kernels(level: str) -> KernelBuild:
             if problem is not None:
                 if _clear(build_dir):
                     logger.warning("discarded the build in %s: %s", build_dir, problem)
-                logger.info("compiling the CPU kernels (%s) once, into %s", level, build_dir)
+                logger.info(
+                    "compiling the CPU kernels (%s) once (about a minute), into %s",
+                    level,
+                    build_dir,
+                )
             cpp_extension.load(
                 name=name,
                 sources=[str(CSRC / source) for source in SOURCES],

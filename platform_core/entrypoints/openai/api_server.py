@@ -2,7 +2,8 @@
 with the read timeout, the shutdown drain and the engine-death watch) and ``run_server``.
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
-``/detokenize``, ``/health`` (always open), ``/version``, ``/metrics`` (open unless guarded).
+``/detokenize``, ``/invocations`` and ``/ping`` (SageMaker's), ``/tokenizer_info`` (when enabled),
+``/health`` (always open), ``/version``, ``/metrics`` (open unless guarded).
 The engine runs on its own thread (``AsyncEngine``); this module only wires HTTP to it.
 """
 
@@ -18,13 +19,16 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.responses import Response
 
 from platform_core import __version__
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.data_parallel import DataParallelEngine
+from platform_core.entrypoints.openai import serving_tokenize
 from platform_core.entrypoints.openai.body import OffLoopJsonRoute
 from platform_core.entrypoints.openai.connection import ReadTimeoutH11Protocol
 from platform_core.entrypoints.openai.errors import error_response, install_error_handlers
@@ -43,6 +47,7 @@ from platform_core.entrypoints.openai.middleware import (
     AllowedHostsMiddleware,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    RootPathMiddleware,
 )
 from platform_core.entrypoints.openai.prepare import Preparer
 from platform_core.entrypoints.openai.protocol import (
@@ -52,9 +57,9 @@ from platform_core.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from platform_core.entrypoints.openai.serving_base import ServerContext, ServingOptions
-from platform_core.entrypoints.openai.serving_chat import ChatServing, chat_prompt_ids
+from platform_core.entrypoints.openai.serving_chat import ChatServing
 from platform_core.entrypoints.openai.serving_completion import CompletionServing
-from platform_core.errors import ConfigError
+from platform_core.errors import ConfigError, InvalidRequestError
 from platform_core.models.packaged import DEFAULT_MODEL
 
 logger = logging.getLogger("platform_core.server")
@@ -79,13 +84,16 @@ def build_app(
     return_tokens_as_token_ids: bool = False,
     enable_force_include_usage: bool = False,
     trust_request_chat_template: bool = False,
+    root_path: str = "",
+    enable_tokenizer_info_endpoint: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
-    With ``api_key`` every route but ``/health`` and ``/metrics`` needs
+    With ``api_key`` every route but ``/health``, ``/ping`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>``; ``guard_metrics`` guards ``/metrics`` too. A request
     whose ``Host`` is not in ``allowed_hosts`` gets 400 (``"*"`` allows any). The protocol
-    switches are ``ServingOptions``'. The app does not own the engine: whoever created the
+    switches are ``ServingOptions``'. ``root_path`` is the prefix a proxy serves the app under
+    (routes answer with and without it). The app does not own the engine: whoever created the
     engine shuts it down.
     """
     if api_key is not None and not api_key:
@@ -109,6 +117,7 @@ def build_app(
     )
     completions = CompletionServing(ctx)
     chat = ChatServing(ctx)
+    root_path = root_path.rstrip("/")
     app = FastAPI(title="platform-core", version=__version__, docs_url=None, redoc_url=None)
     app.router.route_class = OffLoopJsonRoute
     app.state.ctx = ctx
@@ -151,15 +160,26 @@ def build_app(
         return await chat.create(body, request)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> JSONResponse:
-        ctx.check_model(body.model)
-        if body.messages is not None:
-            tokens = await chat_prompt_ids(ctx, body.messages, body.add_generation_prompt)
-        else:
-            tokens = await preparer.encode(body.prompt or "", body.add_special_tokens)
-        return JSONResponse(
-            {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
-        )
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await serving_tokenize.tokenize(ctx, body)
+
+    if enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> JSONResponse:
+            return JSONResponse(serving_tokenize.tokenizer_info(engine.tokenizer))
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        body = await invocation_body(request)
+        if isinstance(body, ChatCompletionRequest):
+            return await chat.create(body, request)
+        return await completions.create(body, request)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
@@ -170,9 +190,36 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     if api_key:
         open_paths = OPEN_PATHS - {"/metrics"} if guard_metrics else OPEN_PATHS
+        # A proxy that keeps the prefix sends /prefix/health; one that strips it, /health.
+        open_paths |= {root_path + path for path in open_paths}
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(AllowedHostsMiddleware, hosts=allowed_hosts)
+    if root_path:
+        app.add_middleware(RootPathMiddleware, root_path=root_path)
     return app
+
+
+async def invocation_body(request: Request) -> ChatCompletionRequest | CompletionRequest:
+    """A SageMaker ``/invocations`` body as the request it is, by its shape as vLLM routes it:
+    ``messages`` makes a chat completion, ``prompt`` a completion; anything else is a 400."""
+    try:
+        raw = await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise InvalidRequestError(f"the body is not valid JSON: {exc}", None) from exc
+    if isinstance(raw, dict) and "messages" in raw:
+        kind: type[ChatCompletionRequest | CompletionRequest] = ChatCompletionRequest
+    elif isinstance(raw, dict) and "prompt" in raw:
+        kind = CompletionRequest
+    else:
+        raise InvalidRequestError(
+            "an /invocations body is a chat completion request (with 'messages') or a "
+            "completion request (with 'prompt')",
+            None,
+        )
+    try:
+        return kind.model_validate(raw)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False), body=raw) from exc
 
 
 def default_model_name(model: str | None) -> str:
@@ -273,6 +320,9 @@ def run_server(args: argparse.Namespace) -> int:
             strict_request_fields=args.strict_request_fields,
             enable_force_include_usage=args.enable_force_include_usage,
             trust_request_chat_template=args.trust_request_chat_template,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            root_path=args.root_path,
+            enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         )
         settings = ServerSettings(
             host=args.host,

@@ -14,9 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from platform_core.entrypoints.openai.errors import error_body
 from platform_core.entrypoints.openai.limits import ANY_HOST
 
-# Paths reachable without the API key: load balancers probe /health, Prometheus scrapes /metrics
-# (unless the server is told to guard it too).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+# Paths reachable without the API key: load balancers probe /health (SageMaker: /ping),
+# Prometheus scrapes /metrics (unless the server is told to guard it too).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 async def send_error(send: Send, status: int, message: str, code: str | None = None) -> None:
@@ -133,3 +133,21 @@ class BodyLimitMiddleware:
         await send_error(
             send, 413, f"the request body is larger than {self.max_bytes} bytes", "body_too_large"
         )
+
+
+class RootPathMiddleware:
+    """Serves the app under ``root_path``, the prefix a reverse proxy adds (``--root-path``).
+
+    Routing strips the prefix when the path has it, so a proxy may keep or strip it; links the
+    app makes (``/openapi.json``'s server URL) carry it. FastAPI's own ``root_path`` argument
+    did this but is deprecated.
+    """
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope["root_path"] = self.root_path
+        await self.app(scope, receive, send)

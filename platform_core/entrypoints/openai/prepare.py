@@ -100,10 +100,12 @@ class Preparer:
         add_generation_prompt: bool,
         chat_template: str | None = None,
         keep_last: int | None = None,
+        add_special_tokens: bool = False,
         **options: Any,
     ) -> list[int]:
         """Prompt ids of ``messages`` through the chat template (``render_chat_text`` with
-        ``options``, encoded without adding special tokens again; the last ``keep_last``)."""
+        ``options``, encoded without adding special tokens again unless ``add_special_tokens``;
+        the last ``keep_last``)."""
         return await self._run(
             functools.partial(
                 self._render_chat,
@@ -111,6 +113,7 @@ class Preparer:
                 add_generation_prompt,
                 chat_template,
                 keep_last,
+                add_special_tokens,
                 **options,
             )
         )
@@ -121,12 +124,13 @@ class Preparer:
         add_generation_prompt: bool,
         chat_template: str | None,
         keep_last: int | None,
+        add_special_tokens: bool,
         **options: Any,
     ) -> list[int]:
         text = render_chat_text(
             self.tokenizer, messages, add_generation_prompt, chat_template, **options
         )
-        return self._encode(text, False, "messages", keep_last)
+        return self._encode(text, add_special_tokens, "messages", keep_last)
 
     def shutdown(self) -> None:
         """Stop the worker threads (work already queued still runs)."""

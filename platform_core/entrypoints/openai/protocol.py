@@ -231,19 +231,50 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(_Request):
-    """``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
+    """``POST /tokenize``: exactly one of ``prompt`` and ``messages``, with vLLM's fields.
+
+    ``add_special_tokens`` defaults as in vLLM: on for a prompt, off for messages (the chat
+    template writes its own). The other chat fields are for ``messages`` only; ``tools`` and
+    ``chat_template_kwargs`` reach the chat template as its ``tools`` and variables.
+    """
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool | None = False
+    tools: list[dict[Text, Any]] | None = None
+    chat_template: Text | None = None
+    chat_template_kwargs: dict[Text, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
+        if self.prompt is not None:
+            chat_only = sorted(_CHAT_ONLY_TOKENIZE_FIELDS & self.model_fields_set)
+            if chat_only:
+                raise ValueError(f"{', '.join(chat_only)} apply to 'messages', not 'prompt'")
+        if self.continue_final_message and self.add_generation_prompt:
+            if "add_generation_prompt" in self.model_fields_set:
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt cannot both be true"
+                )
+            self.add_generation_prompt = False  # its default gives way to the explicit field
         return self
+
+
+_CHAT_ONLY_TOKENIZE_FIELDS = frozenset(
+    {
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "chat_template",
+        "chat_template_kwargs",
+    }
+)
 
 
 class DetokenizeRequest(_Request):

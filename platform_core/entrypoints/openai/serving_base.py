@@ -110,9 +110,9 @@ class ServerContext:
         )
         return Response(body.model_dump_json(), media_type="application/json")
 
-    def check_request(self, body: SamplingRequest, route: str) -> list[str]:
-        """Checks every generation request gets first; returns the unknown fields it ignores
-        (logged here, once per request), or refuses them with ``strict_request_fields``."""
+    def check_fields(self, body: BaseModel, route: str) -> list[str]:
+        """The unknown fields ``body`` has, which the server ignores (logged here, once per
+        request), or a 400 naming the first with ``strict_request_fields``."""
         ignored = ignored_fields(body)
         if ignored and self.options.strict_request_fields:
             raise InvalidRequestError(
@@ -122,6 +122,12 @@ class ServerContext:
             )
         if ignored:
             logger.info("%s: ignored unknown request fields: %s", route, ", ".join(ignored))
+        return ignored
+
+    def check_request(self, body: SamplingRequest, route: str) -> list[str]:
+        """Checks every generation request gets first; returns the unknown fields it ignores
+        (``check_fields``)."""
+        ignored = self.check_fields(body, route)
         if body.stream_options is not None and not body.stream:
             raise InvalidRequestError("stream_options needs stream: true", "stream_options")
         if body.prompt_logprobs is not None and body.stream:
