@@ -353,7 +353,7 @@ def test_invalid_utf8_bytes_are_400(base_url, route, template, bad):
 
 @pytest.mark.parametrize("text", ["NUL\x00here", "non-character \ufffe\uffff\ufdd0 here"])
 def test_nuls_and_non_characters_are_served(base_url, text):
-    completion = _post_raw(base_url, {"prompt": text, "max_tokens": 2, "stop": [text[:4]]})
+    completion = _post_raw(base_url, {"prompt": text, "max_tokens": 2, "stop": [text[:4], text]})
     assert completion.status_code == 200, completion.text
     chat = _post_raw(
         base_url,
@@ -365,6 +365,12 @@ def test_nuls_and_non_characters_are_served(base_url, text):
     assert tokens.status_code == 200
     back = _post_raw(base_url, {"tokens": tokens.json()["tokens"]}, "/detokenize")
     assert back.json()["prompt"] == text
+
+
+@pytest.mark.parametrize("key", ["1\x00", "\ufffe", "\uffff1", "", " 1", "1e3"])
+def test_logit_bias_keys_that_are_not_plain_digits_are_400(base_url, key):
+    body = {"prompt": "x", "max_tokens": 2, "logit_bias": {key: 1}}
+    assert _error(_post_raw(base_url, body), 400)["param"].startswith("logit_bias")
 
 
 def test_the_largest_seed_with_n_forks_is_served(base_url):
