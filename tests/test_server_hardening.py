@@ -10,7 +10,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -24,7 +23,6 @@ from server_utils import (
 )
 
 from platform_core.entrypoints.openai.api_server import ServerSettings, api_key_from, build_app
-from platform_core.entrypoints.openai.body import decode_body
 from platform_core.entrypoints.openai.limits import RequestLimits, default_allowed_hosts
 from platform_core.entrypoints.openai.prepare import Preparer
 from platform_core.errors import ConfigError
@@ -113,12 +111,12 @@ def test_a_huge_allowed_token_ids_list_is_refused(base_url):
 
 
 # ---------------------------------------------------------------- 2. tokenizing off the loop
-# 7.7 MB of text (under the 8 MB body limit) is tokenized on a worker thread; 7.9 MB of token ids
-# is decoded from JSON on one (a million values).
+# 3.8 MB of text (under the 4 MiB body limit) is tokenized on a worker thread; 3.9 MB of token
+# ids is decoded on the event loop, the longest pause a body within the limit can cause.
 BIG_BODIES = {
-    "an 8 MB prompt": ({"prompt": "The capital of France is Paris. " * 240_000}, "prompt"),
-    "a million token ids": (
-        {"prompt": "a", "allowed_token_ids": list(range(1_000_000))},
+    "a 4 MB prompt": ({"prompt": "The capital of France is Paris. " * 120_000}, "prompt"),
+    "half a million token ids": (
+        {"prompt": "a", "allowed_token_ids": list(range(500_000))},
         "allowed_token_ids",
     ),
 }
@@ -147,38 +145,12 @@ def test_health_answers_while_a_big_body_is_prepared(base_url, what):
             time.sleep(0.02)
     sender.join()
     _error(result["response"], 400, param)
-    assert len(latencies) >= 5, f"the request took only {result['elapsed']:.2f} s"
+    assert len(latencies) >= 3, f"the request took only {result['elapsed']:.2f} s"
     print(
         f"\n{what} answered in {result['elapsed']:.2f} s; {len(latencies)} /health calls "
         f"meanwhile, max {max(latencies) * 1000:.0f} ms"
     )
     assert max(latencies) < 1.0
-
-
-def _longest_pause_while(decode: Callable[[bytes], object], body: bytes) -> float:
-    """The longest the main thread went without running while ``decode`` ran on another."""
-    worker = threading.Thread(target=decode, args=(body,))
-    longest, last = 0.0, time.perf_counter()
-    worker.start()
-    while worker.is_alive():
-        now = time.perf_counter()
-        longest, last = max(longest, now - last), now
-    worker.join()
-    return longest
-
-
-def test_big_bodies_decode_without_holding_the_gil_throughout():
-    body = json.dumps({"allowed_token_ids": list(range(1_000_000))}).encode()
-    assert decode_body(body) == json.loads(body)
-    held = _longest_pause_while(json.loads, body)
-    # The C decoder's pause is its whole run; the yielding decoder's is a switch interval plus
-    # whatever the OS scheduler adds on loaded cores, so its quietest of three runs is compared.
-    yielding = min(_longest_pause_while(decode_body, body) for _ in range(3))
-    print(
-        f"\nlongest main-thread pause: json.loads {held * 1e3:.0f} ms, decode_body "
-        f"{yielding * 1e3:.0f} ms"
-    )
-    assert yielding < held / 2
 
 
 def test_the_fast_tokenizer_path_matches_the_tokenizer(engine):

@@ -29,7 +29,7 @@ from platform_core import __version__
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.data_parallel import DataParallelEngine
 from platform_core.entrypoints.openai import serving_tokenize
-from platform_core.entrypoints.openai.body import OffLoopJsonRoute
+from platform_core.entrypoints.openai.body import JsonBodyRoute
 from platform_core.entrypoints.openai.connection import ReadTimeoutH11Protocol
 from platform_core.entrypoints.openai.errors import error_response, install_error_handlers
 from platform_core.entrypoints.openai.limits import (
@@ -119,7 +119,7 @@ def build_app(
     chat = ChatServing(ctx)
     root_path = root_path.rstrip("/")
     app = FastAPI(title="platform-core", version=__version__, docs_url=None, redoc_url=None)
-    app.router.route_class = OffLoopJsonRoute
+    app.router.route_class = JsonBodyRoute
     app.state.ctx = ctx
     install_error_handlers(app)
 

@@ -76,7 +76,8 @@ def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
         value = getattr(model, name)
         if isinstance(value, BaseModel):
             names += ignored_fields(value, f"{prefix}{name}.")
-        elif isinstance(value, list):
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            # Lists hold models or scalars, never both: a list of ids is not walked.
             for i, item in enumerate(value):
                 if isinstance(item, BaseModel):
                     names += ignored_fields(item, f"{prefix}{name}.{i}.")
