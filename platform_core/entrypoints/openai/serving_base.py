@@ -1,11 +1,10 @@
-"""What the completion and chat handlers share: model check, request limits, submitting prompts,
-reading outputs (with metrics, deadlines and disconnect detection), per-choice deltas, SSE
-framing, usage."""
+"""What the completion and chat handlers share on the way in and while they wait: the request
+checks (fields, limits, options, model), submitting prompts, and reading outputs with metrics,
+deadlines and disconnect detection. Shaping the answers is ``responses``."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -16,25 +15,21 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.llm_engine import DEADLINE_EXCEEDED
-from platform_core.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from platform_core.engine.outputs import RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream
 from platform_core.entrypoints.openai.deadline import Drain, RequestClock
 from platform_core.entrypoints.openai.errors import (
     ModelNotFoundError,
     RequestTimeoutError,
-    error_event,
 )
 from platform_core.entrypoints.openai.limits import RequestLimits
 from platform_core.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from platform_core.entrypoints.openai.prepare import Preparer
 from platform_core.entrypoints.openai.protocol import (
-    PromptLogprob,
-    PromptLogprobs,
-    PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
     ignored_fields,
@@ -44,11 +39,6 @@ from platform_core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("platform_core.server")
 T = TypeVar("T")
-SSE_DONE = "data: [DONE]\n\n"
-IGNORED_FIELDS_HEADER = "x-platform-core-ignored-fields"
-# The header is cut (ending in ",...") past this many characters: HTTP clients refuse
-# header blocks of tens of KB (h11, under httpx and the OpenAI SDK, at 16 KiB).
-MAX_IGNORED_HEADER_CHARS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,115 +294,3 @@ async def unless_disconnected(work: Awaitable[T], request: Request) -> T | None:
         if not finished:
             task.cancel()
     return task.result() if finished else None
-
-
-@dataclass(slots=True)
-class Delta:
-    """What one choice gained since its previous chunk (``start``: index of its first new token)."""
-
-    index: int
-    text: str
-    start: int
-    completion: CompletionOutput
-    first: bool
-
-
-class DeltaTracker:
-    """Turns cumulative outputs into per-choice increments for streaming."""
-
-    def __init__(self) -> None:
-        self._sent: dict[int, tuple[int, int, bool]] = {}  # choice -> (chars, tokens, finished)
-
-    def deltas(self, first_index: int, output: RequestOutput) -> list[Delta]:
-        """Increments of ``output``'s samples; sample ``i`` is choice ``first_index + i``."""
-        deltas = []
-        for completion in output.outputs:
-            index = first_index + completion.index
-            sent = self._sent.get(index)
-            chars, tokens, done = sent or (0, 0, False)
-            if done:
-                continue
-            text = completion.text[chars:]
-            changed = text or len(completion.token_ids) > tokens or completion.finished
-            if sent is not None and not changed:
-                continue
-            deltas.append(Delta(index, text, tokens, completion, first=sent is None))
-            self._sent[index] = (
-                len(completion.text),
-                len(completion.token_ids),
-                completion.finished,
-            )
-        return deltas
-
-
-def with_ignored_header(response: Response, ignored: list[str]) -> Response:
-    """``response`` naming the ignored request fields in ``IGNORED_FIELDS_HEADER`` (JSON-escaped,
-    so any name is one ASCII header line)."""
-    if ignored:
-        value = ",".join(json.dumps(name)[1:-1] for name in ignored)
-        if len(value) > MAX_IGNORED_HEADER_CHARS:
-            value = value[:MAX_IGNORED_HEADER_CHARS].rpartition(",")[0] + ",..."
-        response.headers[IGNORED_FIELDS_HEADER] = value
-    return response
-
-
-def format_prompt_logprobs(
-    positions: list[PositionLogprobs | None] | None,
-) -> PromptLogprobs | None:
-    """The engine's prompt logprobs in vLLM's response shape."""
-    if positions is None:
-        return None
-    return [
-        None
-        if position is None
-        else {
-            t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
-            for t, lp in position.items()
-        }
-        for position in positions
-    ]
-
-
-def usage(finals: list[RequestOutput], count_completions: bool = True) -> UsageInfo:
-    """Token counts over a response's requests (a prompt counts once whatever ``n`` is);
-    without ``count_completions`` nothing generated is counted (echo with ``max_tokens: 0``)."""
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = 0
-    if count_completions:
-        completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    return UsageInfo(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=sum(o.num_cached_tokens for o in finals)
-        ),
-    )
-
-
-# Characters JSON may leave raw inside strings that line readers (Python's splitlines, which
-# httpx and so the OpenAI SDK use) treat as line breaks: escaped, an event stays one line.
-_LINE_BREAKS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def sse_data(json_text: str) -> str:
-    """One server-sent event carrying ``json_text``, on a single line whatever the text holds."""
-    return f"data: {json_text.translate(_LINE_BREAKS_IN_JSON)}\n\n"
-
-
-def event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
-    """Server-sent events: one ``data: {json}`` per chunk, an error event if the stream breaks,
-    then ``data: [DONE]``."""
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            async with aclosing(chunks) as items:
-                async for chunk in items:
-                    yield sse_data(chunk.model_dump_json())
-        except Exception as exc:  # the status line is sent already: report in-band
-            yield error_event(exc)
-        yield SSE_DONE
-
-    return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
-    )

@@ -31,16 +31,14 @@ from platform_core.entrypoints.openai.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from platform_core.entrypoints.openai.serving_base import (
+from platform_core.entrypoints.openai.responses import (
     DeltaTracker,
-    Prompt,
-    ServerContext,
     event_stream,
     format_prompt_logprobs,
-    new_id,
     usage,
     with_ignored_header,
 )
+from platform_core.entrypoints.openai.serving_base import Prompt, ServerContext, new_id
 from platform_core.entrypoints.openai.serving_beam import submit_or_search
 from platform_core.errors import InvalidRequestError
 

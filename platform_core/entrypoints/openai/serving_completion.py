@@ -19,16 +19,18 @@ from platform_core.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from platform_core.entrypoints.openai.serving_base import (
+from platform_core.entrypoints.openai.responses import (
     DeltaTracker,
-    Prompt,
-    ServerContext,
     event_stream,
     format_prompt_logprobs,
-    new_id,
-    prompt_index,
     usage,
     with_ignored_header,
+)
+from platform_core.entrypoints.openai.serving_base import (
+    Prompt,
+    ServerContext,
+    new_id,
+    prompt_index,
 )
 from platform_core.entrypoints.openai.serving_beam import submit_or_search
 from platform_core.errors import InvalidRequestError

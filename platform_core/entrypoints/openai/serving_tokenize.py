@@ -8,7 +8,8 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from platform_core.entrypoints.openai.protocol import TokenizeRequest
-from platform_core.entrypoints.openai.serving_base import ServerContext, with_ignored_header
+from platform_core.entrypoints.openai.responses import with_ignored_header
+from platform_core.entrypoints.openai.serving_base import ServerContext
 from platform_core.entrypoints.openai.serving_chat import chat_prompt_ids
 from platform_core.errors import InvalidRequestError
 
