@@ -1,5 +1,7 @@
 """Shared fixtures: tiny seeded HF models saved as safetensors, and the reference attention ops.
 
+``steps`` (for the server tests' ``engine``) delays or pauses its steps.
+
 ``tiny_model_dir(name)`` builds (once per session) a small random model with transformers, saves
 it with ``save_pretrained`` and returns the directory, so the real loading code runs. Weights are
 drawn from a seeded generator (norm weights around 1, biases non-zero) so every parameter
@@ -8,6 +10,9 @@ matters. Names are the keys of ``TINY_MODELS``.
 
 from __future__ import annotations
 
+import argparse
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -189,3 +194,22 @@ def base_url(engine: Any) -> Any:
 
     with live_server(engine) as url:
         yield url
+
+
+@pytest.fixture
+def steps(engine: Any) -> Any:
+    """Control over engine steps: ``delay`` seconds before each, ``entered`` set in a step."""
+    real_step = engine.engine.step
+    control = argparse.Namespace(delay=0.0, once=None, entered=threading.Event())
+
+    def step():
+        control.entered.set()
+        if control.once is not None:
+            pause, control.once = control.once, None
+            time.sleep(pause)
+        time.sleep(control.delay)
+        return real_step()
+
+    engine.engine.step = step
+    yield control
+    engine.engine.step = real_step

@@ -3,6 +3,7 @@ thread, and ``serve`` as a real process."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -147,3 +148,22 @@ def launch_serve(
         stderr=log.open("w"),
     )
     return Served(process, f"http://127.0.0.1:{port}", log)
+
+
+def post_raw(url: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    """POST ``body`` encoded with ``ensure_ascii`` (lone surrogates travel as ``\\ud800``)."""
+    return httpx.post(
+        url + path,
+        content=json.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+
+
+def expect_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    """The OpenAI error object of ``response``, asserting its status (and its param's start)."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    if param is not None:
+        assert error["param"] and error["param"].startswith(param), error
+    return error

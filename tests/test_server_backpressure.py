@@ -89,3 +89,25 @@ def test_a_client_that_reads_is_never_cut_by_the_same_limit(engine):
     assert tokens_sent(events) == BODY["n"] * BODY["max_tokens"]
     assert not any('"error"' in e for e in events)
     wait_for(lambda: engine_idle(engine), 30, f"blocks leaked: {engine.stats()}")
+
+
+def test_a_stream_ended_for_backpressure_sends_an_error_event_then_done():
+    import asyncio
+
+    from platform_core.entrypoints.openai.protocol import CompletionChoice, CompletionResponse
+    from platform_core.entrypoints.openai.responses import event_stream
+    from platform_core.errors import StreamBackpressureError
+
+    async def chunks():
+        yield CompletionResponse(
+            id="c", created=0, model="m", choices=[CompletionChoice(index=0, text="a")]
+        )
+        raise StreamBackpressureError("the client stopped reading for 30 s")
+
+    async def body() -> list[str]:
+        return [part async for part in event_stream(chunks()).body_iterator]
+
+    events = asyncio.run(body())
+    assert len(events) == 3 and events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[1].removeprefix("data: "))["error"]
+    assert "stopped reading" in error["message"] and error["code"] == "request_failed"

@@ -10,7 +10,7 @@ import openai
 import pytest
 from server_utils import MODEL_NAME, live_server
 
-from platform_core.entrypoints.openai.serving_base import IGNORED_FIELDS_HEADER
+from platform_core.entrypoints.openai.responses import IGNORED_FIELDS_HEADER
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 PROMPT = "The cat sat on the"

@@ -317,7 +317,7 @@ def test_metrics_follow_requests(client, base_url):
 def test_stream_events_stay_one_line_whatever_the_text_holds():
     import json
 
-    from platform_core.entrypoints.openai.serving_base import sse_data
+    from platform_core.entrypoints.openai.responses import sse_data
 
     text = "line\u2028separator\x85next\u2029paragraph\nnewline"
     event = sse_data(json.dumps({"text": text}, ensure_ascii=False))
