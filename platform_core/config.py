@@ -98,15 +98,19 @@ class SchedulerConfig:
 
 
 _EXECUTORS = ("auto", "uni", "mp", "ray")
+WORKER_START_METHODS = ("auto", "fork", "spawn")
 
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """Distributed layout: tensor-parallel ranks, how they run, and engine replicas.
 
-    ``distributed_executor_backend``: ``"uni"`` (one process), ``"mp"`` (spawned workers on this
+    ``distributed_executor_backend``: ``"uni"`` (one process), ``"mp"`` (worker processes on this
     machine), ``"ray"`` (Ray actors in a placement group), ``"auto"`` (``uni`` for one rank, else
     ``mp``). ``ray_address`` joins an existing cluster (``None`` starts a local one).
+    ``worker_start_method`` is how ``mp`` starts its workers: ``"fork"``, ``"spawn"``, or
+    ``"auto"`` (``$PLATFORM_CORE_WORKER_START`` if set, else fork where it is safe; see
+    ``platform_core.distributed.start_method``).
     ``data_parallel_size`` replicas serve behind one server, routed ``least-loaded`` or by
     ``prefix`` affinity.
     """
@@ -116,6 +120,7 @@ class ParallelConfig:
     distributed_executor_backend: str = "auto"
     ray_address: str | None = None
     worker_timeout_s: float = 60.0
+    worker_start_method: str = "auto"
     data_parallel_routing: str = "least-loaded"
 
     def __post_init__(self) -> None:
@@ -134,6 +139,11 @@ class ParallelConfig:
             )
         if self.worker_timeout_s <= 0:
             raise ConfigError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        if self.worker_start_method not in WORKER_START_METHODS:
+            raise ConfigError(
+                f"worker_start_method must be one of {WORKER_START_METHODS}, "
+                f"got {self.worker_start_method!r}"
+            )
 
     @property
     def executor(self) -> str:

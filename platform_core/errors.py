@@ -57,3 +57,13 @@ class DeadlineExceededError(PlatformCoreError, TimeoutError):
 
 class EngineDeadError(PlatformCoreError, RuntimeError):
     """The engine hit an unrecoverable error and serves no more requests."""
+
+
+class ProcessStartError(PlatformCoreError, RuntimeError):
+    """A child process failed or died before it was ready, or ranks did not meet in time; the
+    message carries the child's traceback or exit status."""
+
+
+class UnguardedMainError(PlatformCoreError, RuntimeError):
+    """Child processes must be spawned, and spawning would re-run the main script's top-level
+    code that starts them (the script lacks an ``if __name__ == "__main__":`` guard)."""

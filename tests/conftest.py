@@ -213,3 +213,13 @@ def steps(engine: Any) -> Any:
     engine.engine.step = step
     yield control
     engine.engine.step = real_step
+
+
+@pytest.fixture
+def no_child_processes_left() -> Any:
+    """Fails the test if a child process it started is still running or unreaped after it."""
+    from tests.multiproc import new_children
+
+    before = new_children(set())
+    yield
+    assert not new_children(before), "child processes left running or unreaped"

@@ -6,16 +6,25 @@ and calls ``check(communicator)``. ``check`` must be picklable (a module-level f
 parent bounds the whole run by a deadline, terminates ranks that hang once another has failed,
 and fails with every reported traceback. Each rank gets an equal share of the CPU cores as
 intra-op threads.
+
+``children_of(pid)`` lists a process's children (zombies included); ``new_children(before)`` is
+what a test left behind; ``run_adopting_orphans`` runs a command and returns the processes it
+left behind after it exited.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import queue
+import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -95,3 +104,76 @@ def run_ranks(world_size: int, check: RankCheck, timeout_s: float = 60.0) -> Non
     codes = {rank: procs[rank].exitcode for rank in silent}
     assert not silent, f"ranks {silent} hung or died without reporting (exit codes {codes})"
     assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+
+
+_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+_ORPHAN_GRACE_S = 10.0
+
+
+def children_of(pid: int) -> set[int]:
+    """Ids of ``pid``'s child processes, zombies (exited, not yet reaped) included."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker: started with the first spawned child, it lives as
+    long as this process by design."""
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def new_children(before: set[int]) -> set[int]:
+    """This process's children, running or unreaped, that are not in ``before``."""
+    return {p for p in children_of(os.getpid()) - before if not _is_resource_tracker(p)}
+
+
+def _set_child_subreaper(on: bool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _reaped(pid: int) -> bool:
+    """Reap child ``pid`` if it has exited; whether it is gone."""
+    try:
+        return os.waitpid(pid, os.WNOHANG) != (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def run_adopting_orphans(
+    command: list[str], env: dict[str, str], timeout: float
+) -> tuple[subprocess.CompletedProcess, set[int]]:
+    """Run ``command``; its result and the processes it left running after it exited.
+
+    This process adopts ``command``'s orphans meanwhile (it is their child subreaper), so they
+    can be seen; each gets a few seconds to exit (processes stopped at exit take a moment), then
+    the ones still running are killed. All are reaped.
+    """
+    before = children_of(os.getpid())
+    _set_child_subreaper(True)
+    try:
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        _set_child_subreaper(False)
+    adopted = children_of(os.getpid()) - before
+    deadline = time.monotonic() + _ORPHAN_GRACE_S
+    running = set(adopted)
+    while running and time.monotonic() < deadline:
+        running = {pid for pid in running if not _reaped(pid)}
+        time.sleep(0.1)
+    for pid in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return result, running

@@ -28,6 +28,7 @@ def tokens(llm: LLM, batch: list[dict]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(batch, PARAMS, use_tqdm=False)]
 
 
+@pytest.mark.usefixtures("no_child_processes_left")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tp2_multiprocess_equals_one_rank(tiny_model_dir, arch):
     model = str(tiny_model_dir(arch))
@@ -74,6 +75,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.usefixtures("no_child_processes_left")
 def test_killed_worker_fails_requests_quickly(tiny_model_dir):
     llm = LLM(
         str(tiny_model_dir("llama")),

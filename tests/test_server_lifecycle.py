@@ -12,6 +12,8 @@ import pytest
 from server_utils import launch_serve, wait_for
 from text_model import save_text_model
 
+from tests.multiproc import children_of
+
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
@@ -37,24 +39,12 @@ def servers(tmp_path_factory):
             served.stop()
 
 
-def _children(pid: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
-
-
 def test_sigterm_lets_the_stream_in_flight_finish_then_exits_cleanly(servers):
     model_dir, started = servers
     served = started["plain"]
     url = served.url
     assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [str(model_dir)]
-    children = _children(served.process.pid)
+    children = children_of(served.process.pid)
     first_event, events = threading.Event(), []
 
     def stream():

@@ -6,21 +6,34 @@ listens on or connects to any address but 127.0.0.1. That is why the rendezvous 
 here rather than from a ``tcp://127.0.0.1:PORT`` init method: the store behind such a URL listens
 on every interface whatever host it names, so rank 0 binds the port on loopback itself and hands
 the listening socket to the store. gloo's own connections are pinned to the loopback interface.
+
+Rank 0 can watch the others while it waits for them (``while_waiting``: a parent that started
+the other ranks raises there the moment one of them dies). It never blocks inside the store:
+every rank counts itself in under one key and rank 0 polls that count. Then torch builds the
+group, which blocks until every rank is in it; rank 0 runs that on a helper thread and keeps
+watching. A watcher that raises abandons the helper: it ends when torch's set-up fails or times
+out, and leaves a group it formed after all.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from platform_core.errors import ConfigError
+from platform_core.errors import ConfigError, ProcessStartError
 
 LOOPBACK_HOST = "127.0.0.1"
 _LOOPBACK_INTERFACES = ("lo", "lo0")  # Linux, macOS/BSD
+_JOINED_KEY = "platform_core/ranks_joined"
+_JOIN_POLL_S = 0.05
 
 
 def find_free_port() -> int:
@@ -54,14 +67,20 @@ class LoopbackGroupConfig:
 
 
 def init_loopback_process_group(
-    config: LoopbackGroupConfig, rank: int, backend: str = "gloo"
+    config: LoopbackGroupConfig,
+    rank: int,
+    backend: str = "gloo",
+    while_waiting: Callable[[], None] | None = None,
 ) -> None:
     """Join the default process group described by ``config`` as ``rank``.
 
     ``backend`` is the torch.distributed backend (``"gloo"`` for CPU tensors; a GPU backend
-    passes its own, e.g. ``"nccl"``).
+    passes its own, e.g. ``"nccl"``). Rank 0 calls ``while_waiting`` (if given) every few
+    milliseconds until the others have joined the store; whatever it raises ends the wait.
 
-    Blocks until all ``world_size`` ranks have joined (or ``timeout_s`` passes). Sets
+    Blocks until all ``world_size`` ranks have joined (``ProcessStartError`` once ``timeout_s``
+    passes without them; a rank that dies inside torch's own group set-up, after joining the
+    store, is noticed when that set-up times out). Sets
     ``GLOO_SOCKET_IFNAME`` to the loopback interface for this process, overriding any other
     value, so this group and any subgroup created later stay on loopback. Tear down with
     ``torch.distributed.destroy_process_group()``.
@@ -82,11 +101,78 @@ def init_loopback_process_group(
         world_size=config.world_size,
         is_master=rank == 0,
         timeout=timeout,
+        wait_for_workers=False,
         master_listen_fd=listen_fd,
     )
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=config.world_size, timeout=timeout
+    store.add(_JOINED_KEY, 1)
+    join = functools.partial(
+        dist.init_process_group,
+        backend,
+        store=store,
+        rank=rank,
+        world_size=config.world_size,
+        timeout=timeout,
     )
+    if rank != 0:
+        join()
+        return
+    _wait_for_ranks(store, config, while_waiting)
+    if while_waiting is None:
+        join()
+    else:
+        _WatchedGroupInit(join).run(while_waiting)
+
+
+def _wait_for_ranks(
+    store: dist.Store, config: LoopbackGroupConfig, while_waiting: Callable[[], None] | None
+) -> None:
+    """Until every rank has counted itself in under ``_JOINED_KEY``, or ``timeout_s`` passes."""
+    deadline = time.monotonic() + config.timeout_s
+    while (joined := store.add(_JOINED_KEY, 0)) < config.world_size:
+        if while_waiting is not None:
+            while_waiting()
+        if time.monotonic() > deadline:
+            raise ProcessStartError(
+                f"{joined} of {config.world_size} ranks joined the group on "
+                f"{LOOPBACK_HOST}:{config.port} in {config.timeout_s:g} s"
+            )
+        time.sleep(_JOIN_POLL_S)
+
+
+class _WatchedGroupInit:
+    """``join()`` (torch's group set-up) on a helper thread, watched from the caller's."""
+
+    def __init__(self, join: Callable[[], None]) -> None:
+        self._join = join
+        self._lock = threading.Lock()
+        self._finished = self._abandoned = False
+        self._error: BaseException | None = None
+
+    def run(self, while_waiting: Callable[[], None]) -> None:
+        """Form the group, calling ``while_waiting`` until it is formed; re-raise its error."""
+        helper = threading.Thread(target=self._init, name="platform-core-group-init", daemon=True)
+        helper.start()
+        helper.join(_JOIN_POLL_S)
+        while helper.is_alive():
+            try:
+                while_waiting()
+            except BaseException:
+                with self._lock:
+                    self._abandoned = not self._finished
+                raise
+            helper.join(_JOIN_POLL_S)
+        if self._error is not None:
+            raise self._error
+
+    def _init(self) -> None:
+        try:
+            self._join()
+        except BaseException as exc:  # handed to the watching thread, if it still waits
+            self._error = exc
+        with self._lock:
+            self._finished = True
+            if self._abandoned and self._error is None:
+                dist.destroy_process_group()
 
 
 def _loopback_interface() -> str:

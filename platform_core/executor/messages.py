@@ -66,7 +66,7 @@ class Shutdown:
 
 @dataclass(frozen=True, slots=True)
 class RankReply:
-    """A worker's answer to one call (or to start-up): its result, or the traceback it raised."""
+    """A worker's answer to one call: its result, or the traceback it raised."""
 
     value: Any = None
     error: str | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -12,11 +13,17 @@ from platform_core.plugins.manager import PluginManager
 from platform_core.worker.model_runner import ModelRunner
 
 
-def build_rank_runner(spec: ModelSpec, group: LoopbackGroupConfig, rank: int) -> ModelRunner:
+def build_rank_runner(
+    spec: ModelSpec,
+    group: LoopbackGroupConfig,
+    rank: int,
+    while_waiting: Callable[[], None] | None = None,
+) -> ModelRunner:
     """Join the group as ``rank`` and load this rank's shard of the model.
 
-    Blocks until every rank has joined. The backend is created by name (the driver already
-    chose it), so all ranks run the same backend.
+    Blocks until every rank has joined (rank 0 calls ``while_waiting`` meanwhile, see
+    ``init_loopback_process_group``). The backend is created by name (the driver already chose
+    it), so all ranks run the same backend.
     """
     from platform_core.distributed.parallel_state import TPGroup
 
@@ -24,7 +31,7 @@ def build_rank_runner(spec: ModelSpec, group: LoopbackGroupConfig, rank: int) ->
     if backend.device.type == "cpu":
         # Ranks share the machine's cores; oversubscribing them slows every matmul.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
-    init_loopback_process_group(group, rank, backend.process_group_backend)
+    init_loopback_process_group(group, rank, backend.process_group_backend, while_waiting)
     tp = TPGroup(rank=rank, size=group.world_size, communicator=backend.communicator(None))
     return ModelRunner(
         spec.config,
