@@ -67,3 +67,8 @@ class ProcessStartError(PlatformCoreError, RuntimeError):
 class UnguardedMainError(PlatformCoreError, RuntimeError):
     """Child processes must be spawned, and spawning would re-run the main script's top-level
     code that starts them (the script lacks an ``if __name__ == "__main__":`` guard)."""
+
+
+class EngineConnectionError(PlatformCoreError, ConnectionError):
+    """A front could not connect to an engine core: it refused the handshake (protocol version,
+    shared secret) or did not answer."""

@@ -7,15 +7,13 @@ parent bounds the whole run by a deadline, terminates ranks that hang once anoth
 and fails with every reported traceback. Each rank gets an equal share of the CPU cores as
 intra-op threads.
 
-``children_of(pid)`` lists a process's children (zombies included); ``new_children(before)`` is
-what a test left behind; ``run_adopting_orphans`` runs a command and returns the processes it
-left behind after it exited.
+``new_children(before)`` is what a test left behind (``process_tree`` reads the tree);
+``run_adopting_orphans`` runs a command and returns the processes it left behind after it exited.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing as mp
 import os
 import queue
@@ -35,6 +33,8 @@ from platform_core.distributed.launch import (
     find_free_port,
     init_loopback_process_group,
 )
+from tests.process_tree import children as children_of
+from tests.process_tree import subreaper
 
 RankCheck = Callable[[Communicator], None]
 
@@ -106,21 +106,7 @@ def run_ranks(world_size: int, check: RankCheck, timeout_s: float = 60.0) -> Non
     assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
 
 
-_PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 _ORPHAN_GRACE_S = 10.0
-
-
-def children_of(pid: int) -> set[int]:
-    """Ids of ``pid``'s child processes, zombies (exited, not yet reaped) included."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
 
 
 def _is_resource_tracker(pid: int) -> bool:
@@ -135,12 +121,6 @@ def _is_resource_tracker(pid: int) -> bool:
 def new_children(before: set[int]) -> set[int]:
     """This process's children, running or unreaped, that are not in ``before``."""
     return {p for p in children_of(os.getpid()) - before if not _is_resource_tracker(p)}
-
-
-def _set_child_subreaper(on: bool) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 def _reaped(pid: int) -> bool:
@@ -161,11 +141,8 @@ def run_adopting_orphans(
     the ones still running are killed. All are reaped.
     """
     before = children_of(os.getpid())
-    _set_child_subreaper(True)
-    try:
+    with subreaper():
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    finally:
-        _set_child_subreaper(False)
     adopted = children_of(os.getpid()) - before
     deadline = time.monotonic() + _ORPHAN_GRACE_S
     running = set(adopted)

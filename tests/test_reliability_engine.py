@@ -15,7 +15,8 @@ from server_utils import engine_config, engine_idle, wait_for
 
 from platform_core import LLM, SamplingParams
 from platform_core.config import CacheConfig, SchedulerConfig
-from platform_core.engine.async_engine import IDLE_HEALTH_CHECK_S, AsyncEngine
+from platform_core.engine.async_engine import AsyncEngine
+from platform_core.engine.core import IDLE_HEALTH_CHECK_S
 from platform_core.engine.outputs import CompletionOutput, RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, StreamSink
 from platform_core.errors import (

@@ -1,15 +1,18 @@
-"""The event-loop end of ``AsyncEngine``: what a caller submits and the stream it reads back."""
+"""The event-loop end of an engine front (``AsyncEngine``, ``ProcessEngine``): what a caller
+submits, the stream it reads back, and how results reach the caller's event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from platform_core.engine.outputs import RequestOutput
-from platform_core.errors import StreamBackpressureError
+from platform_core.errors import DeadlineExceededError, EngineDeadError, StreamBackpressureError
 from platform_core.sampling_params import SamplingParams
 
 
@@ -115,6 +118,45 @@ class StreamSink:
         return outputs
 
 
+def land_on_loops(results: list[tuple[StreamSink, object]]) -> list[asyncio.AbstractEventLoop]:
+    """From any thread: hand each result to its sink on the sink's event loop, one
+    ``call_soon_threadsafe`` per loop; return the loops found closed (nobody listens there)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[StreamSink, object]]] = defaultdict(list)
+    for sink, item in results:
+        by_loop[sink.loop].append((sink, item))
+    closed = []
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(StreamSink.land, batch)
+        except RuntimeError:  # that event loop is closed
+            closed.append(loop)
+    return closed
+
+
+async def accepted_stream(
+    requests: list[GenerateRequest], sink: StreamSink, abort: Callable[[list[str]], None]
+) -> RequestStream:
+    """Wait until ``sink`` hears that the submitted ``requests`` were accepted; their stream.
+
+    Raises the engine's refusal; ``DeadlineExceededError`` when the group's earliest deadline
+    passes first. Cancelling the wait or a deadline aborts the requests.
+    """
+    ids = [r.request_id for r in requests]
+    deadlines = [r.deadline for r in requests if r.deadline is not None]
+    try:
+        async with asyncio.timeout(min(deadlines) - time.monotonic() if deadlines else None):
+            await sink.accepted
+    except TimeoutError:
+        abort(ids)
+        raise DeadlineExceededError(
+            "the deadline passed before the engine accepted the request"
+        ) from None
+    except asyncio.CancelledError:
+        abort(ids)
+        raise
+    return RequestStream(ids, sink, abort)
+
+
 class RequestStream:
     """The outputs of a group of accepted requests, as they grow, until all have finished.
 
@@ -147,7 +189,36 @@ class RequestStream:
 
 
 class SubmitFront:
-    """``generate`` for anything that can ``submit`` a group of requests (engines, routers)."""
+    """What the server uses of an engine (in a thread, in a process, or several behind a
+    router), and ``generate`` for anything that can ``submit`` a group of requests.
+
+    Besides ``submit``, ``abort`` and ``shutdown``: ``is_running``, ``error`` (why it stopped,
+    ``None`` after a plain shutdown), ``stats()``, the front's own ``tokenizer`` copy and the
+    model's ``max_model_len``, ``eos_token_ids``, ``vocab_size`` and ``default_sampling``.
+    """
+
+    tokenizer: Any
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    default_sampling: dict[str, Any]
+    error: EngineDeadError | None
+
+    @property
+    def is_running(self) -> bool:
+        raise NotImplementedError
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters (see ``LLMEngine.stats``) as of the latest step."""
+        raise NotImplementedError
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (from any thread); a no-op once the engine has stopped."""
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop after the current step (requests left get ``EngineDeadError``) and wait."""
+        raise NotImplementedError
 
     async def submit(
         self, requests: list[GenerateRequest], *, max_buffered_tokens: int | None = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import traceback
 from typing import Any
@@ -33,15 +34,20 @@ from platform_core.executor.base import (
     WorkerDiedError,
     destroy_process_group,
 )
+from platform_core.executor.lifetime import die_with_parent
 from platform_core.executor.messages import RankCall, RankReply, Shutdown, serve_call
 
 logger = logging.getLogger("platform_core.executor")
 
 
-def _worker_main(link: ParentLink, spec: ModelSpec, group: LoopbackGroupConfig, rank: int) -> None:
-    """A worker process: build the rank, then serve typed calls until ``Shutdown``."""
+def _worker_main(
+    link: ParentLink, spec: ModelSpec, group: LoopbackGroupConfig, rank: int, parent_pid: int
+) -> None:
+    """A worker process: build the rank, then serve typed calls until ``Shutdown``. It dies with
+    the thread that started it (the engine's), even in the middle of a collective."""
     from platform_core.executor.rank import build_rank_runner
 
+    die_with_parent(parent_pid)
     runner = build_rank_runner(spec, group, rank)
     link.ready()
     conn = link.conn
@@ -75,7 +81,7 @@ class MultiprocExecutor(LockstepExecutor):
         try:
             for rank in range(1, group.world_size):
                 name = f"platform-core-rank{rank}"
-                args = (spec, group, rank)
+                args = (spec, group, rank, os.getpid())
                 self._procs.append(start_child(_worker_main, args, name, self.start_method))
             try:
                 self.driver = build_rank_runner(spec, group, 0, while_waiting=self._poll_workers)
