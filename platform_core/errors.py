@@ -57,3 +57,8 @@ class DeadlineExceededError(PlatformCoreError, TimeoutError):
 
 class EngineDeadError(PlatformCoreError, RuntimeError):
     """The engine hit an unrecoverable error and serves no more requests."""
+
+
+class EngineConnectionError(PlatformCoreError, ConnectionError):
+    """A front could not connect to an engine core: it refused the handshake (protocol version,
+    shared secret) or did not answer."""

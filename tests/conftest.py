@@ -1,6 +1,7 @@
 """Shared fixtures: tiny seeded HF models saved as safetensors, and the reference attention ops.
 
-``steps`` (for the server tests' ``engine``) delays or pauses its steps.
+``engine`` is the server tests' engine, in the mode under test (``server_utils.ENGINE_MODE``);
+``probe`` / ``steps`` control its steps wherever it runs (``engine_probe.EngineProbe``).
 
 ``tiny_model_dir(name)`` builds (once per session) a small random model with transformers, saves
 it with ``save_pretrained`` and returns the directory, so the real loading code runs. Weights are
@@ -10,9 +11,6 @@ matters. Names are the keys of ``TINY_MODELS``.
 
 from __future__ import annotations
 
-import argparse
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -176,15 +174,21 @@ def model_dir(text_model_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Any:
-    """An ``AsyncEngine`` on ``model_dir`` with the server tests' settings, shut down after."""
-    from server_utils import engine_config
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An ``EngineProbe`` for the module's ``engine`` (reset by ``steps`` after each test)."""
+    from engine_probe import EngineProbe
 
-    from platform_core.engine.async_engine import AsyncEngine
+    return EngineProbe(tmp_path_factory.mktemp("probe"))
 
-    async_engine = AsyncEngine.from_config(engine_config(model_dir))
-    yield async_engine
-    async_engine.shutdown()
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, probe: Any) -> Any:
+    """The server tests' engine on ``model_dir``, in the mode under test, with ``probe``."""
+    from server_utils import engine_config, start_test_engine
+
+    engine = start_test_engine(engine_config(model_dir), probe)
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -197,19 +201,8 @@ def base_url(engine: Any) -> Any:
 
 
 @pytest.fixture
-def steps(engine: Any) -> Any:
-    """Control over engine steps: ``delay`` seconds before each, ``entered`` set in a step."""
-    real_step = engine.engine.step
-    control = argparse.Namespace(delay=0.0, once=None, entered=threading.Event())
-
-    def step():
-        control.entered.set()
-        if control.once is not None:
-            pause, control.once = control.once, None
-            time.sleep(pause)
-        time.sleep(control.delay)
-        return real_step()
-
-    engine.engine.step = step
-    yield control
-    engine.engine.step = real_step
+def steps(engine: Any, probe: Any) -> Any:
+    """The ``engine``'s probe: ``delay`` seconds before each step, ``once`` a single stall,
+    ``entered`` set in a step (``EngineProbe``); plain steps again after the test."""
+    yield probe
+    probe.reset()

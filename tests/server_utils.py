@@ -1,5 +1,9 @@
-"""Helpers for the server tests: a tiny text model's engine config, a live loopback server in a
-thread, and ``serve`` as a real process."""
+"""Helpers for the server tests: a tiny text model's engine config, the engine in the mode under
+test, a live loopback server in a thread, and ``serve`` as a real process.
+
+``PLATFORM_CORE_TEST_ENGINE_MODE`` (``process`` or ``thread``; default ``process``, what ``serve``
+runs) chooses where the engines of the server tests run, ``serve`` processes included.
+"""
 
 from __future__ import annotations
 
@@ -17,13 +21,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from engine_probe import EngineProbe
 
 from platform_core.config import EngineConfig
 from platform_core.engine.async_engine import AsyncEngine
+from platform_core.engine.launch import start_engine
+from platform_core.engine.request_stream import SubmitFront
 from platform_core.entrypoints.openai.api_server import ServerSettings, build_app, make_server
 from platform_core.entrypoints.openai.limits import default_allowed_hosts
 
 MODEL_NAME = "tiny-chat"
+ENGINE_MODE = os.environ.get("PLATFORM_CORE_TEST_ENGINE_MODE", "process")
 ENGINE_KEYS: dict[str, Any] = {
     "dtype": "float32",
     "max_model_len": 256,
@@ -39,9 +47,25 @@ def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
     return EngineConfig.from_flat(model=str(model_dir), **{**ENGINE_KEYS, **overrides})
 
 
+def start_test_engine(
+    config: EngineConfig, probe: EngineProbe | None = None, mode: str | None = None
+) -> SubmitFront:
+    """The engine for ``config`` in ``mode`` (default ``ENGINE_MODE``), with ``probe`` on it."""
+    return start_engine(config, mode or ENGINE_MODE, None if probe is None else probe.install)
+
+
+def assert_engine_clean(engine: SubmitFront, probe: EngineProbe, timeout: float = 30) -> None:
+    """Every request gone and every block back; the pool's bookkeeping is consistent."""
+    wait_for(lambda: engine_idle(engine), timeout, f"blocks or requests leaked: {engine.stats()}")
+    if isinstance(engine, AsyncEngine):
+        engine.engine.check_kv_integrity()
+    else:  # the check runs in the engine core's process
+        probe.check_kv_integrity()
+
+
 @contextmanager
 def live_server(
-    engine: AsyncEngine,
+    engine: SubmitFront,
     name: str = MODEL_NAME,
     settings: ServerSettings | None = None,
     send_buffer_bytes: int | None = None,
@@ -86,7 +110,7 @@ def wait_for(condition: Callable[[], bool], timeout: float, message: str) -> Non
         time.sleep(0.02)
 
 
-def engine_idle(engine: AsyncEngine) -> bool:
+def engine_idle(engine: SubmitFront) -> bool:
     """No request left in the engine and every KV block back in the pool."""
     stats = engine.stats()
     return stats["num_running"] + stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0
@@ -136,9 +160,12 @@ def free_port() -> int:
 def launch_serve(
     model_dir: Path, log: Path, *flags: str, env: dict | None = None, prelude: str = ""
 ) -> Served:
-    """Start ``serve`` for ``model_dir`` with the test engine settings on a free port."""
+    """Start ``serve`` for ``model_dir`` with the test engine settings on a free port (in
+    ``ENGINE_MODE`` unless ``flags`` choose one)."""
     port = free_port()
     engine_flags = [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE_KEYS.items()]
+    if not any(flag.startswith("--engine-mode") for flag in flags):
+        engine_flags.append(f"--engine-mode={ENGINE_MODE}")
     script = SERVE.format(prelude=prelude)
     command = [sys.executable, "-c", script, "serve", "--model", str(model_dir)]
     process = subprocess.Popen(

@@ -8,7 +8,7 @@ import json
 import socket
 
 import httpx
-from server_utils import MODEL_NAME, engine_idle, live_server, wait_for
+from server_utils import MODEL_NAME, assert_engine_clean, engine_idle, live_server, wait_for
 
 from platform_core.entrypoints.openai.limits import RequestLimits
 
@@ -42,7 +42,7 @@ def tokens_sent(events: list[str]) -> int:
     return total
 
 
-def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(engine):
+def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(engine, probe):
     limits = RequestLimits(max_stream_buffer_tokens=PER_CHOICE_LIMIT)
     with live_server(engine, limits=limits, send_buffer_bytes=SOCKET_BUFFER_BYTES) as url:
         port = int(url.rsplit(":", 1)[1])
@@ -73,7 +73,7 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(engine):
     error = json.loads(events[-2])["error"]
     assert "did not read its stream" in error["message"], error
     assert tokens_sent(events) < BODY["n"] * BODY["max_tokens"], "the stream was not cut"
-    engine.engine.check_kv_integrity()
+    assert_engine_clean(engine, probe)
 
 
 def test_a_client_that_reads_is_never_cut_by_the_same_limit(engine):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
-from server_utils import MODEL_NAME, engine_config, engine_idle, wait_for
+from server_utils import MODEL_NAME, assert_engine_clean, engine_config, engine_idle, wait_for
 
 from platform_core import LLM, SamplingParams
 
@@ -69,22 +68,10 @@ def test_concurrent_streams_are_batched_and_independent(base_url, engine, model_
 
 
 @pytest.fixture
-def slow_engine(engine):
-    """Steps take at least 10 ms (so a request lasts), and aborts are recorded."""
-    real_step, real_abort = engine.engine.step, engine.engine.abort_request
-    aborted: list[str] = []
-
-    def step():
-        time.sleep(0.01)
-        return real_step()
-
-    def abort_request(request_ids):
-        aborted.extend(request_ids)
-        real_abort(request_ids)
-
-    engine.engine.step, engine.engine.abort_request = step, abort_request
-    yield aborted
-    engine.engine.step, engine.engine.abort_request = real_step, real_abort
+def slow_engine(steps):
+    """Steps take at least 10 ms (so a request lasts); the probe records aborts."""
+    steps.delay = 0.01
+    return steps
 
 
 def test_a_client_leaving_mid_stream_aborts_and_frees_blocks(base_url, engine, slow_engine):
@@ -97,8 +84,8 @@ def test_a_client_leaving_mid_stream_aborts_and_frees_blocks(base_url, engine, s
                 break
         assert engine.stats()["kv_blocks_used"] > 0
     wait_for(lambda: engine_idle(engine), 10, "the abandoned stream kept its KV blocks")
-    assert [r for r in slow_engine if r.startswith("cmpl-")], "the request was not aborted"
-    engine.engine.check_kv_integrity()
+    assert [r for r in slow_engine.aborted() if r.startswith("cmpl-")], "it was not aborted"
+    assert_engine_clean(engine, slow_engine)
 
 
 def test_a_client_leaving_before_a_whole_response_aborts_it(base_url, engine, slow_engine):
@@ -106,7 +93,7 @@ def test_a_client_leaving_before_a_whole_response_aborts_it(base_url, engine, sl
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base_url + "/v1/completions", json=body, timeout=0.5)
     wait_for(lambda: engine_idle(engine), 10, "the abandoned request kept its KV blocks")
-    assert [r for r in slow_engine if r.startswith("cmpl-")], "the request was not aborted"
-    engine.engine.check_kv_integrity()
+    assert [r for r in slow_engine.aborted() if r.startswith("cmpl-")], "it was not aborted"
+    assert_engine_clean(engine, slow_engine)
     ok = httpx.post(base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
     assert ok.status_code == 200

@@ -112,8 +112,8 @@ def test_an_empty_api_key_is_an_error(engine, monkeypatch, tmp_path):
         served.stop()
 
 
-def test_answers_do_not_reveal_the_models_path(engine):
-    model_path = str(engine.engine.model_dir)
+def test_answers_do_not_reveal_the_models_path(engine, model_dir):
+    model_path = str(model_dir)
     with live_server(engine) as url:
         models = httpx.get(url + "/v1/models")
         assert model_path not in models.text
@@ -132,8 +132,12 @@ LLMEngine.step = step
 """
 
 
-def test_serve_exits_non_zero_when_the_engine_dies(text_model_dir, tmp_path):
-    served = launch_serve(text_model_dir, tmp_path / "serve.log", prelude=DYING_ENGINE)
+def test_serve_exits_non_zero_when_the_engine_loop_dies(text_model_dir, tmp_path):
+    # In thread mode: the prelude patches the engine in serve's own process (an engine core
+    # process imports a fresh one; its death by signal is test_engine_core_kill.py's).
+    served = launch_serve(
+        text_model_dir, tmp_path / "serve.log", "--engine-mode=thread", prelude=DYING_ENGINE
+    )
     try:
         wait_for(served.healthy, 120, "the server did not become healthy")
         response = httpx.post(served.url + "/v1/completions", json={"prompt": "x"}, timeout=30)

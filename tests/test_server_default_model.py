@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import openai
-from server_utils import live_server
+from server_utils import live_server, start_test_engine
 
 from platform_core.config import EngineConfig
-from platform_core.engine.async_engine import AsyncEngine
 from platform_core.entrypoints.openai.api_server import default_model_name
 
 
@@ -16,7 +15,7 @@ def test_smollm2_knows_the_capital_of_france():
     )  # no model: the packaged default
     name = default_model_name(config.model.model)
     assert name == "smollm2-135m-instruct"
-    engine = AsyncEngine.from_config(config)
+    engine = start_test_engine(config)
     try:
         with live_server(engine, name) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)

@@ -7,12 +7,11 @@ import json
 import httpx
 import openai
 import pytest
+from engine_probe import EngineProbe
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_utils import MODEL_NAME, engine_config, live_server
+from server_utils import MODEL_NAME, engine_config, live_server, start_test_engine
 from tiny_tokenizer import save_tiny_tokenizer
-
-from platform_core.engine.async_engine import AsyncEngine
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -124,7 +123,7 @@ def test_unknown_model_and_route_are_404(base_url):
 
 def test_a_model_without_chat_template_answers_chat_with_400(model_dir, tmp_path):
     save_tiny_tokenizer(tmp_path)  # the same tokenizer, without a chat template
-    engine = AsyncEngine.from_config(engine_config(model_dir, tokenizer=str(tmp_path)))
+    engine = start_test_engine(engine_config(model_dir, tokenizer=str(tmp_path)))
     try:
         with live_server(engine) as url:
             error = _assert_error(
@@ -172,20 +171,10 @@ def test_oversized_bodies_are_413(engine):
         assert small.status_code == 200
 
 
-def test_a_dead_engine_gives_503_in_responses_streams_and_health(model_dir):
-    engine = AsyncEngine.from_config(engine_config(model_dir))
-    real_step = engine.engine.step
-    state = {"fail": False, "steps": 0}
-
-    def step():
-        state["steps"] += 1
-        if state["fail"]:
-            raise RuntimeError("device lost")
-        if state["steps"] == 3:
-            state["fail"] = True  # the stream below has started by then
-        return real_step()
-
-    engine.engine.step = step
+def test_a_dead_engine_gives_503_in_responses_streams_and_health(model_dir, tmp_path):
+    probe = EngineProbe(tmp_path)
+    probe.fail_after(3, "device lost")  # the stream below has started by then
+    engine = start_test_engine(engine_config(model_dir), probe)
     try:
         with live_server(engine) as url:
             body = {"prompt": "x", "max_tokens": 50, "ignore_eos": True, "stream": True}

@@ -10,10 +10,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
-from server_utils import MODEL_NAME, engine_config, engine_idle, wait_for
+from server_utils import MODEL_NAME, assert_engine_clean, engine_config, start_test_engine
 from text_model import save_text_model
 
-from platform_core.engine.async_engine import AsyncEngine
 from platform_core.entrypoints.openai.api_server import build_app
 
 MAX_EXAMPLES = 40  # per operation
@@ -22,10 +21,10 @@ STATUSES: Counter[int] = Counter()  # status code -> responses, over all operati
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(tmp_path_factory, probe):
     model_dir = save_text_model(tmp_path_factory.mktemp("fuzz-model"))
     # A short context bounds how long any generated request can generate.
-    engine = AsyncEngine.from_config(engine_config(model_dir, max_model_len=64))
+    engine = start_test_engine(engine_config(model_dir, max_model_len=64), probe)
     yield engine
     engine.shutdown()
 
@@ -51,13 +50,12 @@ def test_no_generated_input_causes_a_server_error(case):
         assert isinstance(error["type"], str)
 
 
-def test_the_engine_is_intact_after_fuzzing(engine):
+def test_the_engine_is_intact_after_fuzzing(engine, probe):
     assert CALLS["POST /v1/completions"] >= MAX_EXAMPLES // 2, CALLS
     assert CALLS["POST /v1/chat/completions"] >= MAX_EXAMPLES // 2, CALLS
     # Both accepted and rejected inputs were generated, not only one kind.
     assert STATUSES[200] > 0 and STATUSES[400] > 0, STATUSES
-    wait_for(lambda: engine_idle(engine), 30, f"the fuzzed requests leaked: {engine.stats()}")
-    engine.engine.check_kv_integrity()
+    assert_engine_clean(engine, probe)
     assert engine.is_running
     print(f"\nfuzzed inputs per operation: {dict(CALLS)} (total {sum(CALLS.values())})")
     print(f"responses by status: {dict(sorted(STATUSES.items()))}")

@@ -22,9 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_utils import engine_config, engine_idle, live_server, wait_for
-
-from platform_core.engine.async_engine import AsyncEngine
+from server_utils import assert_engine_clean, engine_config, live_server, start_test_engine
 
 NUM_REQUESTS = 5000
 NUM_BENIGN = NUM_REQUESTS  # as many runs of the steady client beside each load
@@ -118,13 +116,13 @@ async def soak(base_url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    engine = AsyncEngine.from_config(engine_config(model_dir, **LOAD_KEYS))
+def engine(model_dir, probe):
+    engine = start_test_engine(engine_config(model_dir, **LOAD_KEYS), probe)
     yield engine
     engine.shutdown()
 
 
-def test_a_soak_of_mixed_and_hostile_requests_leaves_the_server_whole(engine):
+def test_a_soak_of_mixed_and_hostile_requests_leaves_the_server_whole(engine, probe):
     with live_server(engine) as base_url:
         figures = asyncio.run(soak(base_url))
     statuses = figures["load"]["statuses"]
@@ -137,8 +135,7 @@ def test_a_soak_of_mixed_and_hostile_requests_leaves_the_server_whole(engine):
         f"connections broken by the server: {figures}"
     )
     assert set(statuses["whole"]) == {"200"}, f"a well-formed request was refused: {statuses}"
-    wait_for(lambda: engine_idle(engine), 30, f"blocks or requests leaked: {engine.stats()}")
-    engine.engine.check_kv_integrity()
+    assert_engine_clean(engine, probe)
     benign = figures["benign_load"]["statuses"]
     assert all(set(c) == {"200"} for c in benign.values()), f"benign load: {benign}"
     p99 = {

@@ -11,10 +11,17 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from server_utils import MODEL_NAME, engine_config, engine_idle, live_server, wait_for
+from engine_probe import EngineProbe
+from server_utils import (
+    MODEL_NAME,
+    assert_engine_clean,
+    engine_config,
+    engine_idle,
+    live_server,
+    start_test_engine,
+    wait_for,
+)
 from text_model import save_text_model
-
-from platform_core.engine.async_engine import AsyncEngine
 
 NUM_STREAMS = 1000
 STREAM_TOKENS = 4
@@ -69,15 +76,9 @@ def load_client(base_url: str, connections: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60)
 
 
-def assert_no_leak(engine: AsyncEngine) -> None:
-    """Every request gone and every block back; the pool's bookkeeping is consistent."""
-    wait_for(lambda: engine_idle(engine), 30, f"blocks or requests leaked: {engine.stats()}")
-    engine.engine.check_kv_integrity()
-
-
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    engine = AsyncEngine.from_config(engine_config(model_dir, **LOAD_KEYS))
+def engine(model_dir, probe):
+    engine = start_test_engine(engine_config(model_dir, **LOAD_KEYS), probe)
     yield engine
     engine.shutdown()
 
@@ -89,35 +90,13 @@ def base_url(engine):
 
 
 @pytest.fixture
-def recorded_aborts(engine):
-    """Request ids the engine was asked to abort during the test."""
-    real_abort = engine.engine.abort_request
-    aborted: list[str] = []
-
-    def abort_request(request_ids):
-        aborted.extend(request_ids)
-        real_abort(request_ids)
-
-    engine.engine.abort_request = abort_request
-    yield aborted
-    engine.engine.abort_request = real_abort
-
-
-@pytest.fixture
-def slow_steps(engine):
+def slow_steps(steps):
     """Each engine step takes at least 20 ms, so a long request is still running when checked."""
-    real_step = engine.engine.step
-
-    def step():
-        time.sleep(0.02)
-        return real_step()
-
-    engine.engine.step = step
-    yield
-    engine.engine.step = real_step
+    steps.delay = 0.02
+    return steps
 
 
-def test_a_thousand_concurrent_streams_all_complete(base_url, engine):
+def test_a_thousand_concurrent_streams_all_complete(base_url, engine, probe):
     body = {
         "prompt": "The capital of",
         "max_tokens": STREAM_TOKENS,
@@ -139,11 +118,11 @@ def test_a_thousand_concurrent_streams_all_complete(base_url, engine):
     finishes = [e["choices"][0]["finish_reason"] for r in results for e in r.events if e["choices"]]
     assert finishes.count("length") == NUM_STREAMS
     assert engine.stats()["max_batch_size"] > 64, "the streams were not batched together"
-    assert_no_leak(engine)
+    assert_engine_clean(engine, probe)
     print(f"\n{NUM_STREAMS} streams completed in {elapsed:.1f} s")
 
 
-def test_an_http_abort_storm_leaks_no_block(base_url, engine, recorded_aborts):
+def test_an_http_abort_storm_leaks_no_block(base_url, engine, steps):
     rng = random.Random(0)
     leavers = set(rng.sample(range(NUM_STORM), NUM_STORM // 2))
     body = {
@@ -175,25 +154,20 @@ def test_an_http_abort_storm_leaks_no_block(base_url, engine, recorded_aborts):
     assert all(r is not None and r.status == 200 and r.done for r in stayers)
     # A reader that falls behind gets fewer, larger chunks, so count tokens by usage.
     assert all(r.usage["completion_tokens"] == STORM_TOKENS for r in stayers), "cut short"
-    assert_no_leak(engine)
-    aborted = {rid.rsplit("-", 1)[0] for rid in recorded_aborts if rid.startswith("cmpl-")}
+    assert_engine_clean(engine, steps)
+    aborted = {rid.rsplit("-", 1)[0] for rid in steps.aborted() if rid.startswith("cmpl-")}
     assert len(aborted) >= len(leavers) // 4, f"only {len(aborted)} requests were aborted"
     print(f"\n{len(leavers)} clients left early; {len(aborted)} requests aborted; 0 blocks leaked")
     after = httpx.post(base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert after.status_code == 200
 
 
-def test_a_full_waiting_queue_answers_503_with_retry_after(model_dir):
+def test_a_full_waiting_queue_answers_503_with_retry_after(model_dir, tmp_path):
     limit = 4
     config = engine_config(model_dir, max_num_seqs=2, max_waiting_requests=limit)
-    engine = AsyncEngine.from_config(config)
-    real_step = engine.engine.step
-
-    def step():
-        time.sleep(0.02)
-        return real_step()
-
-    engine.engine.step = step
+    probe = EngineProbe(tmp_path)
+    probe.delay = 0.02
+    engine = start_test_engine(config, probe)
     body = {"prompt": "Rome", "max_tokens": 8, "ignore_eos": True}
     try:
         with live_server(engine) as url:
@@ -216,21 +190,19 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(model_dir):
                 assert r.body["error"]["code"] == "queue_full"
             whole = httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert whole.status_code == 200, "the server did not recover after the burst"
-            assert_no_leak(engine)
+            assert_engine_clean(engine, probe)
     finally:
         engine.shutdown()
 
 
-def test_a_request_past_its_timeout_is_aborted_with_408(
-    base_url, engine, slow_steps, recorded_aborts
-):
+def test_a_request_past_its_timeout_is_aborted_with_408(base_url, engine, slow_steps):
     body = {"prompt": "The capital of", "max_tokens": 200, "ignore_eos": True, "timeout": 0.3}
     started = time.monotonic()
     r = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 408, r.text
     assert time.monotonic() - started < 3, "the request outlived its timeout"
     assert r.json()["error"]["code"] == "deadline_exceeded"
-    assert_no_leak(engine)
+    assert_engine_clean(engine, slow_steps)
 
     chat = {
         "messages": [{"role": "user", "content": "hi"}],
@@ -245,10 +217,10 @@ def test_a_request_past_its_timeout_is_aborted_with_408(
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][len("data: ") :])["error"]["code"] == "deadline_exceeded"
     assert 1 < len(events) < 200, "the stream ran to its end despite the timeout"
-    assert_no_leak(engine)
+    assert_engine_clean(engine, slow_steps)
     # Both requests were stopped by the engine, not left to run their 200 steps.
-    prefixes = sorted({rid.split("-", 1)[0] for rid in recorded_aborts})
-    assert prefixes == ["chatcmpl", "cmpl"], recorded_aborts
+    prefixes = sorted({rid.split("-", 1)[0] for rid in slow_steps.aborted()})
+    assert prefixes == ["chatcmpl", "cmpl"], slow_steps.aborted()
 
     ok = httpx.post(base_url + "/v1/completions", json={**body, "max_tokens": 3, "timeout": 30})
     assert ok.status_code == 200
@@ -268,18 +240,15 @@ def test_an_invalid_timeout_is_a_400(base_url, timeout):
 
 def test_a_request_failing_in_the_engine_gets_a_clean_error_and_others_go_on(tmp_path):
     """A fault injected in the engine fails that request with an OpenAI error body, no more."""
-    from platform_core.engine.faults import FaultInjector
-
-    engine = AsyncEngine.from_config(engine_config(save_text_model(tmp_path / "fault-model")))
-    injector = FaultInjector()
-    engine.engine.faults = injector
+    probe = EngineProbe(tmp_path)
+    engine = start_test_engine(engine_config(save_text_model(tmp_path / "fault-model")), probe)
     body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3}
     try:
         with live_server(engine) as url:
             assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-            injector.every = "execute"
+            probe.failing_execute.set()
             bad = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-            injector.every = None
+            probe.failing_execute.clear()
             assert bad.status_code == 500
             assert bad.json()["error"]["code"] == "request_failed"
             assert "injected fault" in bad.json()["error"]["message"]

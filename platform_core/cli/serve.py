@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from platform_core.engine import ENGINE_MODES
 from platform_core.entrypoints.engine_args import add_engine_args
 from platform_core.entrypoints.openai.limits import (
     API_KEY_ENV,
@@ -181,6 +182,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="exit with status 3 within a few seconds once the engine stops serving (its loop or a "
         "worker died), so a supervisor (systemd, k8s, docker --restart) restarts the server; "
         "with --no-exit-on-engine-death it stays up answering 503 (default: on)",
+    )
+    serve.add_argument(
+        "--engine-mode",
+        choices=ENGINE_MODES,
+        default="process",
+        help="where the engine core runs: 'process' (its own process, talking to this server "
+        "over ZMQ, so HTTP and tokenization never wait for the engine's Python; with "
+        "--data-parallel-size N, N processes) or 'thread' (a thread of the server's process, "
+        "sharing its GIL; the engine is inspectable in-process) (default: process)",
     )
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)

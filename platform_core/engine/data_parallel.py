@@ -3,8 +3,8 @@
 Routing is least-loaded (fewest requests in flight, counted at the front, so it reacts before the
 replicas' own stats refresh). With prefix affinity on, requests whose prompts start alike go to
 the same replica, where their prefix is cached, unless that replica is clearly busier than the
-least-loaded one. The front offers the same surface as ``AsyncEngine``, so the server takes
-either.
+least-loaded one. Replicas are any ``SubmitFront`` (``AsyncEngine`` threads or ``ProcessEngine``
+processes), and the router offers the same surface, so the server takes either.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from typing import Any
 
 from platform_core.config import EngineConfig
-from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.outputs import RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream, SubmitFront
 from platform_core.errors import EngineDeadError
@@ -47,17 +47,17 @@ class _RoutedStream:
 
 
 class DataParallelEngine(SubmitFront):
-    """``len(replicas)`` async engines of the same model behind one interface."""
+    """``len(replicas)`` engine fronts of the same model behind one interface."""
 
-    def __init__(self, replicas: list[AsyncEngine], prefix_affinity: bool = False) -> None:
+    def __init__(self, replicas: list[SubmitFront], prefix_affinity: bool = False) -> None:
         if not replicas:
             raise ValueError("at least one replica is needed")
         self.replicas = replicas
         self.prefix_affinity = prefix_affinity
         first = replicas[0]
-        self.engine = first.engine
         self.tokenizer = first.tokenizer
         self.max_model_len = min(r.max_model_len for r in replicas)
+        self.eos_token_ids = first.eos_token_ids
         self.vocab_size = first.vocab_size
         self.default_sampling = first.default_sampling
         self.in_flight = [0] * len(replicas)
@@ -65,20 +65,26 @@ class DataParallelEngine(SubmitFront):
         self._owner: dict[str, int] = {}
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> DataParallelEngine:
-        """Load ``config.parallel.data_parallel_size`` replicas (each with one DP rank)."""
+    def from_config(
+        cls, config: EngineConfig, start_replica: Callable[[EngineConfig], SubmitFront]
+    ) -> DataParallelEngine:
+        """Start ``config.parallel.data_parallel_size`` replicas (each with one DP rank) with
+        ``start_replica``, all at once; if one fails, the others are shut down."""
         parallel = config.parallel
         single = dataclasses.replace(
             config, parallel=dataclasses.replace(parallel, data_parallel_size=1)
         )
-        replicas = []
-        try:
-            for _ in range(parallel.data_parallel_size):
-                replicas.append(AsyncEngine.from_config(single))
-        except BaseException:
-            for replica in replicas:
-                replica.shutdown()
-            raise
+        with ThreadPoolExecutor(parallel.data_parallel_size) as pool:
+            starts = [
+                pool.submit(start_replica, single) for _ in range(parallel.data_parallel_size)
+            ]
+        failures = [s.exception() for s in starts if s.exception() is not None]
+        if failures:
+            for start in starts:
+                if start.exception() is None:
+                    start.result().shutdown()
+            raise failures[0]
+        replicas = [s.result() for s in starts]
         return cls(replicas, prefix_affinity=parallel.data_parallel_routing == "prefix")
 
     @property

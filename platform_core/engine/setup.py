@@ -118,13 +118,26 @@ def eos_ids_of(hf_config: Any, generation_config: Any, tokenizer: Any) -> frozen
     return frozenset(ids)
 
 
+def load_model_tokenizer(config: EngineConfig, model_dir: Path | None = None) -> Any:
+    """The tokenizer an engine for ``config`` uses (``None`` with ``skip_tokenizer_init`` or
+    when the model has none), from the tokenizer files alone: no weights are loaded, so a front
+    in another process than the engine gets its own copy cheaply."""
+    from platform_core.models.hf_files import load_tokenizer
+    from platform_core.models.resolve import resolve_model_path
+
+    if config.model.skip_tokenizer_init:
+        return None
+    return load_tokenizer(
+        config.model.tokenizer or model_dir or resolve_model_path(config.model.model)
+    )
+
+
 def build_engine_parts(config: EngineConfig) -> EngineSetup:
     """Run start-up in order and return the assembled parts."""
     from platform_core.models.hf_files import (
         generation_defaults,
         load_generation_config,
         load_hf_config,
-        load_tokenizer,
     )
     from platform_core.models.loader import dtype_from_config
     from platform_core.models.resolve import resolve_model_path
@@ -143,11 +156,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     head_size = head_size_of(hf_config)
     check_capabilities(config, backend, head_size)
 
-    tokenizer = (
-        None
-        if config.model.skip_tokenizer_init
-        else load_tokenizer(config.model.tokenizer or model_dir)
-    )
+    tokenizer = load_model_tokenizer(config, model_dir)
     generation_config = load_generation_config(model_dir)
     eos_token_ids = eos_ids_of(hf_config, generation_config, tokenizer)
     dtype = dtype_from_config(hf_config, config.model.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -23,15 +24,20 @@ from platform_core.executor.base import (
     WorkerDiedError,
     destroy_process_group,
 )
+from platform_core.executor.lifetime import die_with_parent
 from platform_core.executor.messages import RankCall, RankReply, Shutdown, serve_call
 
 logger = logging.getLogger("platform_core.executor")
 
 
-def _worker_main(spec: ModelSpec, group: LoopbackGroupConfig, rank: int, conn: Connection) -> None:
-    """A worker process: build the rank, then serve typed calls until ``Shutdown``."""
+def _worker_main(
+    spec: ModelSpec, group: LoopbackGroupConfig, rank: int, conn: Connection, parent_pid: int
+) -> None:
+    """A worker process: build the rank, then serve typed calls until ``Shutdown``. It dies with
+    the thread that started it (the engine's), even in the middle of a collective."""
     from platform_core.executor.rank import build_rank_runner
 
+    die_with_parent(parent_pid)
     try:
         runner = build_rank_runner(spec, group, rank)
         conn.send(RankReply())
@@ -70,7 +76,7 @@ class MultiprocExecutor(LockstepExecutor):
             parent, child = context.Pipe()
             proc = context.Process(
                 target=_worker_main,
-                args=(spec, group, rank, child),
+                args=(spec, group, rank, child, os.getpid()),
                 daemon=True,
                 name=f"platform-core-rank{rank}",
             )

@@ -4,7 +4,8 @@ with the read timeout, the shutdown drain and the engine-death watch) and ``run_
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
 ``/detokenize``, ``/invocations`` and ``/ping`` (SageMaker's), ``/tokenizer_info`` (when enabled),
 ``/health`` (always open), ``/version``, ``/metrics`` (open unless guarded).
-The engine runs on its own thread (``AsyncEngine``); this module only wires HTTP to it.
+The engine core runs in its own process (``ProcessEngine``; ``--engine-mode thread``: on a thread,
+``AsyncEngine``); this module only wires HTTP to it.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from platform_core import __version__
-from platform_core.engine.async_engine import AsyncEngine
-from platform_core.engine.data_parallel import DataParallelEngine
+from platform_core.engine.launch import start_engine
+from platform_core.engine.request_stream import SubmitFront
 from platform_core.entrypoints.openai import serving_tokenize
 from platform_core.entrypoints.openai.body import JsonBodyRoute
 from platform_core.entrypoints.openai.connection import ReadTimeoutH11Protocol
@@ -72,7 +73,7 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 
 
 def build_app(
-    engine: AsyncEngine | DataParallelEngine,
+    engine: SubmitFront,
     served_model_name: str,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -297,10 +298,7 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = api_key_from(args)  # before loading anything: a bad key fails fast
     config = engine_config_from_args(args)
     name = args.served_model_name or default_model_name(config.model.model)
-    if config.parallel.data_parallel_size > 1:
-        engine = DataParallelEngine.from_config(config)
-    else:
-        engine = AsyncEngine.from_config(config)
+    engine = start_engine(config, getattr(args, "engine_mode", "process"))
     server = None
     try:
         app = build_app(

@@ -1,7 +1,7 @@
 """Prometheus metrics of one server, in its own ``CollectorRegistry`` (never the global one).
 
 Engine state (running and waiting requests, KV-cache usage, prefix-cache hit rate, preemptions,
-step sizes) is read from ``AsyncEngine.stats()`` at scrape time. Per-request numbers (token
+step sizes) is read from ``SubmitFront.stats()`` at scrape time. Per-request numbers (token
 counters, finish reasons and the latency histograms) are recorded as outputs reach the HTTP side,
 through ``RequestTracker``. Every series is also exported under vLLM's name (``vllm_metrics``);
 docs/METRICS.md lists them all.
@@ -22,8 +22,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.outputs import RequestOutput
+from platform_core.engine.request_stream import SubmitFront
 from platform_core.engine.stats import STEP_BUCKET_KEYS
 from platform_core.entrypoints.openai.vllm_metrics import VllmAliases
 from platform_core.scheduler.stats import STEP_TOKEN_BUCKETS
@@ -60,7 +60,7 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 class _EngineCollector(Collector):
     """Engine gauges, counters and the step-size histogram, from one stats snapshot."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: SubmitFront) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -128,7 +128,7 @@ class ServerMetrics:
     """The metrics one server exports at ``/metrics``: ours (``platform_core_*``) and,
     from the same samples, vLLM's names for them (``vllm:*``, see ``vllm_metrics``)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: SubmitFront, model_name: str) -> None:
         ours = CollectorRegistry()
         ours.register(_EngineCollector(engine))
         self.registry = CollectorRegistry()

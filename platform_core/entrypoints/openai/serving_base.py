@@ -17,10 +17,9 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from platform_core.engine.async_engine import AsyncEngine
 from platform_core.engine.llm_engine import DEADLINE_EXCEEDED
 from platform_core.engine.outputs import RequestOutput
-from platform_core.engine.request_stream import GenerateRequest, RequestStream
+from platform_core.engine.request_stream import GenerateRequest, RequestStream, SubmitFront
 from platform_core.entrypoints.openai.deadline import Drain, RequestClock
 from platform_core.entrypoints.openai.errors import (
     ModelNotFoundError,
@@ -70,7 +69,7 @@ class ServerContext:
     """State every route shares: the engine, the served model's name, the metrics, the
     tokenizing threads, the request limits, the protocol options and the shutdown deadline."""
 
-    engine: AsyncEngine
+    engine: SubmitFront
     model_name: str
     metrics: ServerMetrics
     preparer: Preparer

@@ -1,0 +1,241 @@
+"""The messages between engine fronts and an engine-core process: msgspec structs, versioned.
+
+Two sockets per client (see ``core_process``). On the *events* socket a client first sends a
+``Hello`` (protocol version, its name, the shared secret when the core has one) and gets ``Ready``
+(what the front needs of the model) or ``Refused``; these three are maps, so a core and a client
+of different versions still read each other's and the version check can say what is wrong. Then
+the client sends ``ClientCommand``s (``Submit``, ``Abort``, ``Shutdown``) on the *commands*
+socket and reads ``CoreEvent``s on the events socket: a ``CoreBatch`` per loop iteration
+(acceptances, rejections with the typed error, output deltas, stats) and ``CoreStopped`` last.
+These are tagged arrays: no field names on the wire, no pickling per request.
+
+``SamplingParams`` travels as its constructor arguments (``WireSamplingParams``, made from the
+dataclass's own fields) and is rebuilt by its constructor, so the derived fields
+(``stop_token_set``, the token-id buffers) come out of ``__post_init__`` as they did on the
+sending side. Deadlines travel as seconds left, so the two ends need not share a clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import typing
+from typing import Any
+
+import msgspec
+
+from platform_core import errors
+from platform_core.engine.outputs import PositionLogprobs, RequestMetrics
+from platform_core.engine.request_stream import GenerateRequest
+from platform_core.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+_PARAM_TYPES = typing.get_type_hints(SamplingParams)
+WireSamplingParams = msgspec.defstruct(
+    "WireSamplingParams",
+    [(name, _PARAM_TYPES[name]) for name in _PARAM_FIELDS],
+    array_like=True,
+    module=__name__,
+)
+
+
+def params_to_wire(params: SamplingParams) -> Any:
+    """``params`` as its constructor arguments."""
+    return WireSamplingParams(*[getattr(params, name) for name in _PARAM_FIELDS])
+
+
+def params_from_wire(wire: Any) -> SamplingParams:
+    """The ``SamplingParams`` the arguments build (validated and normalized again)."""
+    return SamplingParams(*msgspec.structs.astuple(wire))
+
+
+# ---------------------------------------------------------------------------- handshake
+class Hello(msgspec.Struct, tag="hello"):
+    """A client introduces itself (first message, on the events socket)."""
+
+    protocol_version: int
+    client_name: str
+    secret: str | None = None
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    """The core accepted the client: what the front needs of the model and engine."""
+
+    protocol_version: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    vocab_size: int
+    default_sampling: dict[str, Any]
+    model_dir: str
+    stats: dict[str, Any]
+
+
+class Refused(msgspec.Struct, tag="refused"):
+    """The core refused the client (protocol version, secret); it will ignore its commands."""
+
+    reason: str
+
+
+HandshakeReply = Ready | Refused
+
+
+# ---------------------------------------------------------------------------- client -> core
+class WireRequest(msgspec.Struct, array_like=True):
+    """A ``GenerateRequest``; ``deadline_in`` is the seconds it had left when sent."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: WireSamplingParams  # type: ignore[valid-type]
+    arrival_time: float
+    deadline_in: float | None
+
+
+class Submit(msgspec.Struct, tag="submit", array_like=True):
+    """Add these requests together (all or none); the answer names ``submission_id``."""
+
+    submission_id: int
+    requests: list[WireRequest]
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    """Stop these requests and free their blocks."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Finish the current step, fail what is left, exit."""
+
+
+ClientCommand = Submit | Abort | Shutdown
+
+
+def request_to_wire(request: GenerateRequest) -> WireRequest:
+    deadline = request.deadline
+    return WireRequest(
+        request.request_id,
+        request.prompt,
+        request.prompt_token_ids,
+        params_to_wire(request.params),
+        request.arrival_time,
+        None if deadline is None else deadline - time.monotonic(),
+    )
+
+
+def request_from_wire(wire: WireRequest) -> GenerateRequest:
+    """The request as sent (raises ``InvalidRequestError`` for invalid sampling params)."""
+    left = wire.deadline_in
+    return GenerateRequest(
+        wire.request_id,
+        wire.prompt,
+        params_from_wire(wire.params),
+        wire.prompt_token_ids,
+        wire.arrival_time,
+        None if left is None else time.monotonic() + left,
+    )
+
+
+# ---------------------------------------------------------------------------- core -> client
+class ErrorInfo(msgspec.Struct, array_like=True):
+    """An exception by its class name, message and (``InvalidRequestError``) parameter."""
+
+    kind: str
+    message: str
+    param: str | None = None
+
+
+class Rejection(msgspec.Struct, array_like=True):
+    """Why a submission was refused (none of its requests runs)."""
+
+    submission_id: int
+    error: ErrorInfo
+
+
+class CompletionDelta(msgspec.Struct, array_like=True):
+    """What one sample gained in a step: the text is ``text[:text_start] + text`` after it."""
+
+    index: int
+    token_ids: list[int]
+    text_start: int
+    text: str
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    """A request's step: its samples' deltas and the fields that are not cumulative.
+
+    ``prompt_token_ids`` comes once, when the client sent text; ``prompt_logprobs`` once.
+    """
+
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool
+    metrics: RequestMetrics | None
+    num_cached_tokens: int
+    error: str | None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+class CoreBatch(msgspec.Struct, tag="batch", array_like=True):
+    """One loop iteration's results for one client; ``stats`` when they changed."""
+
+    accepted: list[int]
+    rejected: list[Rejection]
+    outputs: list[RequestDelta]
+    stats: dict[str, Any] | None
+
+
+class CoreStopped(msgspec.Struct, tag="stopped", array_like=True):
+    """The core left its loop (``failed``: it broke, rather than was shut down); last event."""
+
+    reason: str
+    failed: bool
+
+
+CoreEvent = CoreBatch | CoreStopped
+
+
+# ---------------------------------------------------------------------------- typed errors
+_KINDS: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in vars(errors).values()
+    if isinstance(cls, type) and issubclass(cls, errors.PlatformCoreError)
+}
+_KINDS.update(
+    (cls.__name__, cls)
+    for cls in (ValueError, TypeError, KeyError, RuntimeError, OSError, FileNotFoundError)
+)
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """``exc`` as it travels."""
+    return ErrorInfo(type(exc).__name__, str(exc), getattr(exc, "param", None))
+
+
+def error_from(info: ErrorInfo) -> BaseException:
+    """The exception ``info`` describes: the same platform-core (or builtin) class with the
+    same message and ``param``; ``RuntimeError`` naming the kind for any other class."""
+    cls = _KINDS.get(info.kind)
+    if cls is None:
+        return RuntimeError(f"{info.kind}: {info.message}")
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, info.message)  # custom constructors take other arguments
+    if info.param is not None or issubclass(cls, errors.InvalidRequestError):
+        exc.param = info.param  # type: ignore[attr-defined]
+    return exc
+
+
+# ---------------------------------------------------------------------------- codecs
+ENCODER = msgspec.msgpack.Encoder()
+HELLO_DECODER = msgspec.msgpack.Decoder(Hello)
+HANDSHAKE_DECODER = msgspec.msgpack.Decoder(HandshakeReply)
+COMMAND_DECODER = msgspec.msgpack.Decoder(ClientCommand)
+EVENT_DECODER = msgspec.msgpack.Decoder(CoreEvent)
+ERROR_DECODER = msgspec.msgpack.Decoder(ErrorInfo)
