@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from platform_core.errors import ConfigError, PlatformCoreError
+from platform_core.errors import ConfigError, EngineConnectionError
 
 ENGINE_SECRET_ENV = "PLATFORM_CORE_ENGINE_SECRET"
 NONCE_BYTES = 32
@@ -29,7 +29,7 @@ ROLE_FRONT = b"platform-core front"
 ROLE_ENGINE = b"platform-core engine core"
 
 
-class EngineAuthenticationError(PlatformCoreError, PermissionError):
+class EngineAuthenticationError(EngineConnectionError):
     """A peer did not prove it knows the shared engine secret (or one side has none)."""
 
 
