@@ -19,11 +19,15 @@ from platform_core.engine.core_messages import (
     HELLO_DECODER,
     PROTOCOL_VERSION,
     Abort,
+    Challenge,
     CompletionDelta,
     CoreBatch,
     CoreStopped,
+    Detach,
     ErrorInfo,
+    Heartbeat,
     Hello,
+    Proof,
     Ready,
     Refused,
     Rejection,
@@ -115,10 +119,12 @@ def test_invalid_sampling_params_on_the_wire_raise_the_typed_error():
 
 
 def test_every_command_round_trips():
-    for message in (Abort(["a", "b"]), Shutdown()):
+    for message in (Abort(["a", "b"]), Shutdown(), Detach(), Heartbeat()):
         assert through_the_wire(message, COMMAND_DECODER) == message
-    hello = Hello(PROTOCOL_VERSION, "host:1:abc", "s3cret")
-    assert through_the_wire(hello, HELLO_DECODER) == hello
+    for greeting in (Hello(PROTOCOL_VERSION, "host:1:abc", b"n" * 32), Proof(b"p" * 32)):
+        assert through_the_wire(greeting, HELLO_DECODER) == greeting
+    challenge = Challenge(b"n" * 32, b"p" * 32)
+    assert through_the_wire(challenge, HANDSHAKE_DECODER) == challenge
 
 
 def test_every_event_round_trips():
@@ -159,12 +165,10 @@ def test_a_hello_from_another_version_still_decodes():
     class FutureHello(msgspec.Struct, tag="hello"):
         protocol_version: int
         client_name: str
-        secret: str | None = None
+        nonce: bytes = b""
         features: list[str] = []
 
-    hello = HELLO_DECODER.decode(
-        ENCODER.encode(FutureHello(PROTOCOL_VERSION + 1, "x", None, ["y"]))
-    )
+    hello = HELLO_DECODER.decode(ENCODER.encode(FutureHello(PROTOCOL_VERSION + 1, "x", b"", ["y"])))
     assert hello.protocol_version == PROTOCOL_VERSION + 1
 
 

@@ -91,3 +91,30 @@ def test_prefix_affinity_keeps_a_prefix_on_one_replica(replicas):
         assert request_id.startswith(f"aff-{replica}-")
     hits = sum(r.stats()["prefix_cache_hit_tokens"] for r in replicas)
     assert hits > 0
+
+
+def test_routing_counts_the_requests_other_fronts_sent_to_a_replica(replicas):
+    """Another API server's requests show in the replica's stats; this front avoids it."""
+    other, mine = DataParallelEngine(replicas), DataParallelEngine(replicas)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    probe = [GenerateRequest("probe", "hello", params)]
+
+    async def run() -> int:
+        ids = [f"other-{i}" for i in range(4)]
+        streams = [
+            await replicas[0].submit([GenerateRequest(rid, "The capital of", params)])
+            for rid in ids
+        ]
+        deadline = asyncio.get_running_loop().time() + 60
+        while replicas[0].stats()["num_running"] < 4:
+            assert asyncio.get_running_loop().time() < deadline, replicas[0].stats()
+            await asyncio.sleep(0.02)
+        chosen = mine.choose(probe)
+        replicas[0].abort(ids)
+        for stream in streams:
+            async for _ in stream:
+                pass
+        return chosen
+
+    assert other.in_flight == mine.in_flight == [0, 0]
+    assert asyncio.run(run()) == 1

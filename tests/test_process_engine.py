@@ -18,13 +18,14 @@ from server_utils import engine_config, engine_idle, wait_for
 from text_model import save_text_model
 
 from platform_core.engine.async_engine import AsyncEngine
+from platform_core.engine.core_auth import ROLE_ENGINE, Nonces, check_proof, new_nonce
 from platform_core.engine.core_client import CoreClient
 from platform_core.engine.core_messages import (
     ENCODER,
     HANDSHAKE_DECODER,
     PROTOCOL_VERSION,
+    Challenge,
     Hello,
-    Ready,
     Refused,
 )
 from platform_core.engine.core_process import CoreAddresses
@@ -231,9 +232,9 @@ def _raw_hello(address: str, hello: Hello):
 def test_tcp_with_a_shared_secret_serves_several_clients_and_refuses_others(model_dir):
     ports = _free_port(), _free_port()
     addresses = CoreAddresses(*(f"tcp://127.0.0.1:{port}" for port in ports))
-    owner = ProcessEngine(engine_config(model_dir), addresses=addresses, secret="s3cret")
+    owner = ProcessEngine(engine_config(model_dir), addresses=addresses, secret=b"s3cret")
     try:
-        other = CoreClient(addresses, secret="s3cret")  # a second front on the same core
+        other = CoreClient(addresses, secret=b"s3cret")  # a second front on the same core
         assert other.max_model_len == owner.max_model_len
 
         async def both():
@@ -246,15 +247,18 @@ def test_tcp_with_a_shared_secret_serves_several_clients_and_refuses_others(mode
         assert mine[-1].outputs[0].token_ids == theirs[-1].outputs[0].token_ids
         assert len(theirs[-1].outputs[0].token_ids) == GREEDY.max_tokens
         with pytest.raises(EngineConnectionError, match="secret"):
-            CoreClient(addresses, secret="wrong")
+            CoreClient(addresses, secret=b"wrong")
         with pytest.raises(EngineConnectionError, match="secret"):
             CoreClient(addresses)
-        refused = _raw_hello(addresses.events, Hello(PROTOCOL_VERSION + 1, "future", "s3cret"))
+        refused = _raw_hello(addresses.events, Hello(PROTOCOL_VERSION + 1, "future", new_nonce()))
         assert isinstance(refused, Refused)
         assert f"protocol version {PROTOCOL_VERSION + 1}" in refused.reason
         assert f"version {PROTOCOL_VERSION}" in refused.reason
-        welcome = _raw_hello(addresses.events, Hello(PROTOCOL_VERSION, "bare", "s3cret"))
-        assert isinstance(welcome, Ready) and welcome.vocab_size == owner.vocab_size
+        nonce = new_nonce()
+        challenge = _raw_hello(addresses.events, Hello(PROTOCOL_VERSION, "bare", nonce))
+        assert isinstance(challenge, Challenge)  # the core proves the secret first
+        nonces = Nonces(nonce, challenge.nonce)
+        check_proof(b"s3cret", ROLE_ENGINE, nonces, challenge.proof, "the core")
     finally:
         owner.shutdown()
     wait_for(lambda: not other.is_running, 10, "the second client did not hear the core stop")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from platform_core.cli.scaleout_args import add_scaleout_args
 from platform_core.engine import ENGINE_MODES
 from platform_core.entrypoints.engine_args import add_engine_args
 from platform_core.entrypoints.openai.limits import (
@@ -192,6 +193,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--data-parallel-size N, N processes) or 'thread' (a thread of the server's process, "
         "sharing its GIL; the engine is inspectable in-process) (default: process)",
     )
+    add_scaleout_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
     return serve

@@ -29,15 +29,29 @@ import msgspec
 import zmq
 
 from platform_core.engine.core import ACCEPTED
+from platform_core.engine.core_auth import (
+    ROLE_ENGINE,
+    ROLE_FRONT,
+    Nonces,
+    check_proof,
+    new_nonce,
+    prove,
+)
 from platform_core.engine.core_messages import (
     ENCODER,
     EVENT_DECODER,
     HANDSHAKE_DECODER,
+    HEARTBEAT_S,
+    PEER_SILENCE_S,
     PROTOCOL_VERSION,
     Abort,
+    Challenge,
     CoreBatch,
     CoreStopped,
+    Detach,
+    Heartbeat,
     Hello,
+    Proof,
     Ready,
     Refused,
     Shutdown,
@@ -78,15 +92,19 @@ class CoreClient(SubmitFront):
         self,
         addresses: CoreAddresses,
         tokenizer: Any = None,
-        secret: str | None = None,
+        secret: bytes | None = None,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
+        stop_core_on_shutdown: bool = True,
     ) -> None:
-        """Connect and say hello; raises ``EngineConnectionError`` if refused or unanswered
-        (and whatever ``_prepare`` raises)."""
+        """Connect and say hello; raises ``EngineConnectionError`` if refused or unanswered,
+        ``EngineAuthenticationError`` if the core cannot prove the secret (and whatever
+        ``_prepare`` raises). Without ``stop_core_on_shutdown`` (one of several API servers
+        of a core), ``shutdown`` only detaches this client."""
+        self._stop_core_on_shutdown = stop_core_on_shutdown
         self.tokenizer = tokenizer
         self.error: EngineDeadError | None = None  # set when the core failed (not on shutdown)
         self.client_name = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._addresses = addresses
+        self.addresses = self._addresses = addresses  # where the core listens
         self._secret = secret
         self._stopped: EngineDeadError | None = None
         self._lock = threading.Lock()  # the commands socket and the maps below
@@ -163,10 +181,11 @@ class CoreClient(SubmitFront):
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Ask the core to stop after its current step (requests left get ``EngineDeadError``)
-        and wait up to ``timeout`` s for it to say so."""
+        and wait up to ``timeout`` s for it to say so; or only detach (see ``__init__``)."""
+        leave = Shutdown() if self._stop_core_on_shutdown else Detach()
         with self._lock:
             if self._stopped is None:
-                self._commands.send(ENCODER.encode(Shutdown()))
+                self._commands.send(ENCODER.encode(leave))
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ hooks
@@ -205,9 +224,33 @@ class CoreClient(SubmitFront):
         return poller
 
     def _handshake(self, timeout: float) -> Ready:
-        self._events.send(ENCODER.encode(Hello(PROTOCOL_VERSION, self.client_name, self._secret)))
+        """Hello, the core's challenge (its proof checked), our proof, then ``Ready``."""
         poller = self._poller()
         deadline = time.monotonic() + timeout
+        nonce = new_nonce()
+        self._events.send(ENCODER.encode(Hello(PROTOCOL_VERSION, self.client_name, nonce)))
+        challenge = self._answer(poller, deadline, timeout)
+        if not isinstance(challenge, Challenge):
+            raise EngineConnectionError(
+                "the engine core answered without a challenge (another protocol version?)"
+            )
+        nonces = Nonces(nonce, challenge.nonce)
+        core = f"the engine core at {self._addresses.events}"
+        check_proof(self._secret, ROLE_ENGINE, nonces, challenge.proof, core)
+        proof = None if self._secret is None else prove(self._secret, ROLE_FRONT, nonces)
+        self._events.send(ENCODER.encode(Proof(proof)))
+        reply = self._answer(poller, deadline, timeout)
+        if not isinstance(reply, Ready):
+            raise EngineConnectionError(f"{core} answered the proof with a {type(reply)}")
+        if reply.protocol_version != PROTOCOL_VERSION:
+            raise EngineConnectionError(
+                f"the engine core speaks protocol version {reply.protocol_version}; "
+                f"this client speaks version {PROTOCOL_VERSION}"
+            )
+        return reply
+
+    def _answer(self, poller: zmq.Poller, deadline: float, timeout: float) -> Challenge | Ready:
+        """The core's next handshake message (raises for ``Refused``, silence, garbage)."""
         while True:
             ready = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
             if self._events in ready:
@@ -226,11 +269,6 @@ class CoreClient(SubmitFront):
             ) from None
         if isinstance(reply, Refused):
             raise EngineConnectionError(f"the engine core refused this client: {reply.reason}")
-        if reply.protocol_version != PROTOCOL_VERSION:
-            raise EngineConnectionError(
-                f"the engine core speaks protocol version {reply.protocol_version}; "
-                f"this client speaks version {PROTOCOL_VERSION}"
-            )
         return reply
 
     def _adopt(self, ready: Ready) -> None:
@@ -242,12 +280,28 @@ class CoreClient(SubmitFront):
         self._stats = ready.stats
 
     def _receive(self) -> CoreStopped:
-        """Land the core's batches until it stops or is gone."""
+        """Land the core's batches until it stops, is gone, or stays silent for
+        ``PEER_SILENCE_S`` (the core heartbeats when idle); heartbeat it meanwhile."""
         poller = self._poller()
+        heard = heartbeat_due = time.monotonic()
         while True:
-            ready = dict(poller.poll())
-            if self._events not in ready:  # only a watched descriptor: the core is gone
+            ready = dict(poller.poll(HEARTBEAT_S * 1000))
+            now = time.monotonic()
+            if now >= heartbeat_due:
+                heartbeat_due = now + HEARTBEAT_S
+                with self._lock:
+                    self._commands.send(ENCODER.encode(Heartbeat()))
+            if ready and self._events not in ready:  # only a watched descriptor: it is gone
                 return CoreStopped(self._gone(), failed=True)
+            if not ready:
+                if now - heard > PEER_SILENCE_S:
+                    return CoreStopped(
+                        f"the engine core at {self._addresses.events} sent nothing for "
+                        f"{PEER_SILENCE_S:.0f} s (no heartbeat): it is gone or unreachable",
+                        failed=True,
+                    )
+                continue
+            heard = now
             while True:
                 try:
                     payload = self._events.recv(zmq.NOBLOCK, copy=False)

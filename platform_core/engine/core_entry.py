@@ -30,7 +30,7 @@ class CoreLaunch:
 
     config: EngineConfig
     addresses: CoreAddresses
-    secret: str | None = None
+    secret: bytes | None = None
     engine_setup: EngineSetup | None = None
     log_level: int | None = None  # configure logging to stderr at this level
 

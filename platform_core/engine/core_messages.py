@@ -1,9 +1,10 @@
 """The messages between engine fronts and an engine-core process: msgspec structs, versioned.
 
 Two sockets per client (see ``core_process``). On the *events* socket a client first sends a
-``Hello`` (protocol version, its name, the shared secret when the core has one) and gets ``Ready``
-(what the front needs of the model) or ``Refused``; these three are maps, so a core and a client
-of different versions still read each other's and the version check can say what is wrong. Then
+``Hello`` (protocol version, its name, a nonce), gets a ``Challenge`` (the core's nonce and its
+proof of the shared secret, ``core_auth``), answers with its own ``Proof``, and gets ``Ready``
+(what the front needs of the model) or ``Refused``; these are maps, so a core and a client of
+different versions still read each other's and the version check can say what is wrong. Then
 the client sends ``ClientCommand``s (``Submit``, ``Abort``, ``Shutdown``) on the *commands*
 socket and reads ``CoreEvent``s on the events socket: a ``CoreBatch`` per loop iteration
 (acceptances, rejections with the typed error, output deltas, stats) and ``CoreStopped`` last.
@@ -57,7 +58,20 @@ class Hello(msgspec.Struct, tag="hello"):
 
     protocol_version: int
     client_name: str
-    secret: str | None = None
+    nonce: bytes = b""
+
+
+class Challenge(msgspec.Struct, tag="challenge"):
+    """The core's nonce and, when it has a secret, its proof of it (``core_auth.ROLE_ENGINE``)."""
+
+    nonce: bytes
+    proof: bytes | None = None
+
+
+class Proof(msgspec.Struct, tag="proof"):
+    """The client's proof of the secret (``core_auth.ROLE_FRONT``), ``None`` without one."""
+
+    proof: bytes | None = None
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -78,7 +92,7 @@ class Refused(msgspec.Struct, tag="refused"):
     reason: str
 
 
-HandshakeReply = Ready | Refused
+HandshakeReply = Challenge | Ready | Refused
 
 
 # ---------------------------------------------------------------------------- client -> core
@@ -110,7 +124,20 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Finish the current step, fail what is left, exit."""
 
 
-ClientCommand = Submit | Abort | Shutdown
+class Detach(msgspec.Struct, tag="detach", array_like=True):
+    """This client leaves (its requests are aborted); the core serves the others on."""
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True):
+    """The client is alive (sent every ``HEARTBEAT_S``; the core answers with empty batches)."""
+
+
+ClientCommand = Submit | Abort | Shutdown | Detach | Heartbeat
+
+HEARTBEAT_S = 1.0  # each side sends at least this often
+# Silence after which a peer counts as gone: a client's requests are aborted, a core fails its
+# client's requests. A core step longer than this reads as silence too.
+PEER_SILENCE_S = 5.0
 
 
 def request_to_wire(request: GenerateRequest) -> WireRequest:
@@ -234,7 +261,7 @@ def error_from(info: ErrorInfo) -> BaseException:
 
 # ---------------------------------------------------------------------------- codecs
 ENCODER = msgspec.msgpack.Encoder()
-HELLO_DECODER = msgspec.msgpack.Decoder(Hello)
+HELLO_DECODER = msgspec.msgpack.Decoder(Hello | Proof)
 HANDSHAKE_DECODER = msgspec.msgpack.Decoder(HandshakeReply)
 COMMAND_DECODER = msgspec.msgpack.Decoder(ClientCommand)
 EVENT_DECODER = msgspec.msgpack.Decoder(CoreEvent)

@@ -3,9 +3,11 @@
 The core binds two ROUTER sockets and serves any number of clients, each known by its ZMQ
 routing id: clients send commands to the *commands* socket and read results from the *events*
 socket, where they also say ``Hello`` first (the reply goes back on the socket the client is
-known to be connected to). Commands from a client that has not been greeted are dropped; with a
-shared secret, a ``Hello`` without it is refused. Traffic is not encrypted: over ``tcp://`` keep
-the core on a trusted network.
+known to be connected to), then proves the shared secret (``core_auth``; the core proves it too).
+Commands from a client that has not been admitted are dropped; with a shared secret, a client
+without the proof is refused. Traffic is not encrypted: over ``tcp://`` keep the core on a
+trusted network. Both sides heartbeat (``HEARTBEAT_S``): a client silent for
+``PEER_SILENCE_S`` (its process died) is dropped and its requests aborted, freeing their blocks.
 
 The loop busy-polls: between steps it drains commands without blocking; idle, it blocks in the
 poll (with the idle health check of ``EngineCore``). The poll also watches a pipe from the
@@ -21,8 +23,8 @@ vLLM does) would see it a step late and generate (and pay for) one token too man
 
 from __future__ import annotations
 
-import hmac
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +39,29 @@ from platform_core.engine.core import (
     StopCore,
     SubmitGroup,
 )
+from platform_core.engine.core_auth import (
+    ROLE_ENGINE,
+    ROLE_FRONT,
+    EngineAuthenticationError,
+    Nonces,
+    check_proof,
+    new_nonce,
+    prove,
+)
 from platform_core.engine.core_messages import (
     COMMAND_DECODER,
     ENCODER,
+    HEARTBEAT_S,
     HELLO_DECODER,
+    PEER_SILENCE_S,
     PROTOCOL_VERSION,
     Abort,
+    Challenge,
     CoreBatch,
     CoreStopped,
+    Detach,
+    Heartbeat,
+    Proof,
     Ready,
     Refused,
     Rejection,
@@ -84,6 +101,7 @@ class _Submission:
 @dataclass(slots=True)
 class _Client:
     name: str
+    last_seen: float  # monotonic time of its latest command
     writer: DeltaWriter = field(default_factory=DeltaWriter)
 
 
@@ -95,7 +113,7 @@ class CoreServer:
     """The sockets of an engine core, and the receive and deliver ends of its loop."""
 
     def __init__(
-        self, addresses: CoreAddresses, secret: str | None, parent_fd: int | None = None
+        self, addresses: CoreAddresses, secret: bytes | None, parent_fd: int | None = None
     ) -> None:
         """Bind ``addresses``; with ``parent_fd``, stop once that pipe reads as closed."""
         self._secret = secret
@@ -109,6 +127,9 @@ class CoreServer:
         if parent_fd is not None:
             self._poller.register(parent_fd, zmq.POLLIN)
         self._clients: dict[bytes, _Client] = {}
+        self._greeting: dict[bytes, tuple[str, Nonces]] = {}  # said hello, not yet proved
+        self._heartbeat_due = 0.0
+        self._core: EngineCore[_Submission] | None = None
         self._ready: Ready | None = None
         self._stats_sent: dict[str, Any] | None = None
 
@@ -137,7 +158,7 @@ class CoreServer:
             str(engine.model_dir),
             engine.stats(),
         )
-        core: EngineCore[_Submission] = EngineCore(engine, self.deliver)
+        self._core = core = EngineCore(engine, self.deliver)
         try:
             stopped = CoreStopped(core.run(self.receive).reason, failed=False)
         except BaseException as exc:  # any failure ends the loop the same way
@@ -176,7 +197,20 @@ class CoreServer:
                 except zmq.Again:
                     break
                 commands += self._command(identity.bytes, payload.buffer)
+        self._keep_alive()
         return commands
+
+    def _keep_alive(self) -> None:
+        """Heartbeat every client; drop the silent ones and abort their requests (their
+        process died, or the network between us did)."""
+        now = time.monotonic()
+        silent = [i for i, c in self._clients.items() if now - c.last_seen > PEER_SILENCE_S]
+        for identity in silent:
+            self._drop(identity, f"silent for {PEER_SILENCE_S:.0f} s")
+        if now >= self._heartbeat_due:
+            self._heartbeat_due = now + HEARTBEAT_S
+            for identity in self._clients:
+                self._send(identity, _batch())
 
     def _greet(self) -> None:
         while True:
@@ -187,26 +221,47 @@ class CoreServer:
             reply = self._handshake(identity, payload)
             self._send(identity, reply)
 
-    def _handshake(self, identity: bytes, payload: bytes) -> Ready | Refused:
+    def _drop(self, identity: bytes, why: str) -> None:
+        """Forget a client and abort its requests (their blocks go back to the pool)."""
+        client = self._clients.pop(identity)
+        logger.warning("engine core: client %r %s; aborting its requests", client.name, why)
+        if self._core is not None:
+            self._core.abort_where(lambda owner: owner.client == identity)
+
+    def _handshake(self, identity: bytes, payload: bytes) -> Challenge | Ready | Refused:
+        """A ``Hello`` gets a ``Challenge``; the ``Proof`` that follows, ``Ready`` or
+        ``Refused``."""
         try:
-            hello = HELLO_DECODER.decode(payload)
+            message = HELLO_DECODER.decode(payload)
         except msgspec.DecodeError as exc:
             return Refused(f"not a platform-core hello ({exc})")
-        if hello.protocol_version != PROTOCOL_VERSION:
+        if isinstance(message, Proof):
+            return self._admit(identity, message)
+        if message.protocol_version != PROTOCOL_VERSION:
             reason = (
-                f"client {hello.client_name!r} speaks protocol version {hello.protocol_version}; "
-                f"this engine core speaks version {PROTOCOL_VERSION}"
+                f"client {message.client_name!r} speaks protocol version "
+                f"{message.protocol_version}; this engine core speaks version {PROTOCOL_VERSION}"
             )
             logger.warning("refused a client: %s", reason)
             return Refused(reason)
-        if self._secret is not None and not hmac.compare_digest(
-            (hello.secret or "").encode(), self._secret.encode()
-        ):
-            logger.warning("refused client %r: wrong shared secret", hello.client_name)
-            return Refused("wrong or missing shared secret")
+        nonces = Nonces(message.nonce, new_nonce())
+        self._greeting[identity] = (message.client_name, nonces)
+        proof = None if self._secret is None else prove(self._secret, ROLE_ENGINE, nonces)
+        return Challenge(nonces.engine, proof)
+
+    def _admit(self, identity: bytes, message: Proof) -> Ready | Refused:
+        greeting = self._greeting.pop(identity, None)
+        if greeting is None:
+            return Refused("a proof without a hello")
+        name, nonces = greeting
+        try:
+            check_proof(self._secret, ROLE_FRONT, nonces, message.proof, f"client {name!r}")
+        except EngineAuthenticationError as exc:
+            logger.warning("refused a client: %s", exc)
+            return Refused(str(exc))
         assert self._ready is not None
-        self._clients[identity] = _Client(hello.client_name)
-        logger.info("engine core: client %r connected", hello.client_name)
+        self._clients[identity] = _Client(name, time.monotonic())
+        logger.info("engine core: client %r connected", name)
         return self._ready
 
     def _command(self, identity: bytes, payload: memoryview) -> list[CoreCommand]:
@@ -214,6 +269,7 @@ class CoreServer:
         if client is None:
             logger.warning("dropped a command from a client that did not say hello")
             return []
+        client.last_seen = time.monotonic()
         try:
             message = COMMAND_DECODER.decode(payload)
         except msgspec.DecodeError:
@@ -224,6 +280,12 @@ class CoreServer:
             return [AbortRequests(message.request_ids)]
         if isinstance(message, Shutdown):
             return [StopCore()]
+        if isinstance(message, Heartbeat):
+            return []
+        if isinstance(message, Detach):
+            self._drop(identity, "detached")
+            self._send(identity, CoreStopped("this client detached", failed=False))
+            return []
         try:
             requests = [request_from_wire(wire) for wire in message.requests]
         except Exception as exc:  # invalid sampling params: the submission is refused
@@ -239,10 +301,13 @@ class CoreServer:
         changed."""
         batches: dict[bytes, CoreBatch] = {}
         for owner, item in results:
+            client = self._clients.get(owner.client)
+            if client is None:
+                continue  # dropped as silent; its requests were aborted
             batch = batches.get(owner.client)
             if batch is None:
                 batch = batches[owner.client] = _batch()
-            writer = self._clients[owner.client].writer
+            writer = client.writer
             if item is ACCEPTED:
                 batch.accepted.append(owner.submission_id)
                 for request in owner.requests:

@@ -1,10 +1,13 @@
 """Data parallelism: several engine replicas behind one front, each request routed to one.
 
-Routing is least-loaded (fewest requests in flight, counted at the front, so it reacts before the
-replicas' own stats refresh). With prefix affinity on, requests whose prompts start alike go to
-the same replica, where their prefix is cached, unless that replica is clearly busier than the
-least-loaded one. Replicas are any ``SubmitFront`` (``AsyncEngine`` threads or ``ProcessEngine``
-processes), and the router offers the same surface, so the server takes either.
+Routing is least-loaded. A replica's load is the larger of the requests in flight counted at
+this front (it reacts before the replica's stats refresh) and the replica's own running plus
+waiting count from its latest stats (which include the requests of other fronts: with
+``--api-server-count N`` every API server routes over the same engine cores). With prefix
+affinity on, requests whose prompts start alike go to the same replica, where their prefix is
+cached, unless that replica is clearly busier than the least-loaded one. Replicas are any
+``SubmitFront`` (``AsyncEngine`` threads or ``ProcessEngine`` processes), and the router offers
+the same surface, so the server takes either.
 """
 
 from __future__ import annotations
@@ -112,13 +115,19 @@ class DataParallelEngine(SubmitFront):
 
     def choose(self, requests: list[GenerateRequest]) -> int:
         """The replica for a submission (least loaded, or by prefix affinity)."""
-        idlest = min(range(len(self.replicas)), key=lambda i: self.in_flight[i])
+        load = [self._load(i) for i in range(len(self.replicas))]
+        idlest = min(range(len(self.replicas)), key=load.__getitem__)
         if not self.prefix_affinity:
             return idlest
         preferred = self._affinity(requests[0])
-        if self.in_flight[preferred] <= self.in_flight[idlest] + AFFINITY_SLACK:
+        if load[preferred] <= load[idlest] + AFFINITY_SLACK:
             return preferred
         return idlest
+
+    def _load(self, index: int) -> int:
+        stats = self.replicas[index].stats()
+        seen = stats.get("num_running", 0) + stats.get("num_waiting", 0)
+        return max(self.in_flight[index], seen)
 
     def _affinity(self, request: GenerateRequest) -> int:
         if request.prompt_token_ids is not None:

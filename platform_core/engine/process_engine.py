@@ -57,7 +57,7 @@ class ProcessEngine(CoreClient):
         config: EngineConfig,
         *,
         addresses: CoreAddresses | None = None,
-        secret: str | None = None,
+        secret: bytes | None = None,
         engine_setup: EngineSetup | None = None,
     ) -> None:
         self._config = config

@@ -72,5 +72,5 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         buffer.madvise(mmap.MADV_HUGEPAGE)
     # One write per huge page commits the memory now (the OS zeroes whole 2 MiB pages, far
     # faster than filling 4 KiB ones) instead of in page faults while serving.
-    torch.frombuffer(buffer, dtype=torch.uint8)[:: _HUGE_PAGE].zero_()
+    torch.frombuffer(buffer, dtype=torch.uint8)[::_HUGE_PAGE].zero_()
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)

@@ -292,13 +292,29 @@ def api_key_from(args: argparse.Namespace) -> str | None:
 
 def run_server(args: argparse.Namespace) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, then drain and stop (exit status 0), or
-    until the engine dies (``ENGINE_DEATH_EXIT_STATUS`` with --exit-on-engine-death)."""
+    until the engine dies (``ENGINE_DEATH_EXIT_STATUS`` with --exit-on-engine-death).
+    Several API servers or engine cores on other hosts: ``multi_server.run_supervised``."""
     from platform_core.entrypoints.engine_args import engine_config_from_args
+    from platform_core.entrypoints.openai.multi_server import needs_supervisor, run_supervised
 
     api_key = api_key_from(args)  # before loading anything: a bad key fails fast
     config = engine_config_from_args(args)
     name = args.served_model_name or default_model_name(config.model.model)
+    if needs_supervisor(args):
+        return run_supervised(args, config)
     engine = start_engine(config, getattr(args, "engine_mode", "process"))
+    return serve_engine(engine, args, name, api_key)
+
+
+def serve_engine(
+    engine: SubmitFront,
+    args: argparse.Namespace,
+    name: str,
+    api_key: str | None,
+    sockets: list[socket.socket] | None = None,
+) -> int:
+    """Serve ``engine`` with the ``serve`` flags in ``args`` (on ``sockets`` when given, else
+    binding --host/--port) until stopped; shut the engine down; the exit status."""
     server = None
     try:
         app = build_app(
@@ -335,7 +351,7 @@ def run_server(args: argparse.Namespace) -> int:
         # KeyboardInterrupt (as for SIGINT) so the engine below is stopped, not killed.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         logger.info("serving %r on http://%s:%d", name, args.host, args.port)
-        server.run()
+        server.run(sockets=sockets)
     except KeyboardInterrupt:
         pass
     finally:

@@ -9,6 +9,7 @@ docs/METRICS.md lists them all.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from itertools import accumulate
@@ -20,6 +21,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from platform_core.engine.outputs import RequestOutput
@@ -133,12 +135,18 @@ class ServerMetrics:
         ours.register(_EngineCollector(engine))
         self.registry = CollectorRegistry()
         self.registry.register(VllmAliases(ours, PREFIX, model_name))
+        # One of several API servers (``api_worker``): each records into files in this
+        # directory and every scrape sums them all; the engine gauges come from the core.
+        shared_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if shared_dir:
+            MultiProcessCollector(ours, shared_dir)
+        own = None if shared_dir else ours
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=ours)
+            return Counter(PREFIX + name, doc, labels, registry=own)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, buckets=buckets, registry=ours)
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=own)
 
         tokens = token_buckets(engine.max_model_len)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens.")
