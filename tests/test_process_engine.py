@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from engine_probe import EngineProbe
 from process_tree import state, zombies_below
 from server_utils import engine_config, engine_idle, wait_for
 from text_model import save_text_model
@@ -23,6 +24,7 @@ from platform_core.engine.core_client import CoreClient
 from platform_core.engine.core_messages import (
     ENCODER,
     HANDSHAKE_DECODER,
+    PEER_SILENCE_S,
     PROTOCOL_VERSION,
     Challenge,
     Hello,
@@ -284,3 +286,17 @@ def test_data_parallel_replicas_are_engine_core_processes(model_dir):
     finally:
         front.shutdown()
     assert all(state(pid) is None for pid in pids)
+
+
+def test_a_step_longer_than_the_silence_limit_is_not_a_dead_core(model_dir, tmp_path):
+    """The core heartbeats from a thread of its own: a step that outlasts ``PEER_SILENCE_S``
+    (a long prefill on a slow CPU) does not read as a dead core to its front."""
+    probe = EngineProbe(tmp_path)
+    engine = ProcessEngine.from_config(engine_config(model_dir), engine_setup=probe.install)
+    try:
+        probe.once = PEER_SILENCE_S + 2
+        outputs = asyncio.run(_stream(engine, "slow-step", None, GREEDY, PROMPTS[0]))
+        assert outputs[-1].finished and outputs[-1].error is None
+        assert engine.is_running, engine.error
+    finally:
+        engine.shutdown()

@@ -6,7 +6,7 @@ socket, where they also say ``Hello`` first (the reply goes back on the socket t
 known to be connected to), then proves the shared secret (``core_auth``; the core proves it too).
 Commands from a client that has not been admitted are dropped; with a shared secret, a client
 without the proof is refused. Traffic is not encrypted: over ``tcp://`` keep the core on a
-trusted network. Both sides heartbeat (``HEARTBEAT_S``): a client silent for
+trusted network. Both sides heartbeat (``HEARTBEAT_S``; the core from a thread of its own): a client silent for
 ``PEER_SILENCE_S`` (its process died) is dropped and its requests aborted, freeing their blocks.
 
 The loop busy-polls: between steps it drains commands without blocking; idle, it blocks in the
@@ -24,6 +24,7 @@ vLLM does) would see it a step late and generate (and pay for) one token too man
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,7 +129,10 @@ class CoreServer:
             self._poller.register(parent_fd, zmq.POLLIN)
         self._clients: dict[bytes, _Client] = {}
         self._greeting: dict[bytes, tuple[str, Nonces]] = {}  # said hello, not yet proved
-        self._heartbeat_due = 0.0
+        # The events socket is shared with the heartbeat thread (``_beat``); ZMQ sockets are not.
+        self._events_lock = threading.Lock()
+        self._stop_beating = threading.Event()
+        self._beater = threading.Thread(target=self._beat, name="core-heartbeat", daemon=True)
         self._core: EngineCore[_Submission] | None = None
         self._ready: Ready | None = None
         self._stats_sent: dict[str, Any] | None = None
@@ -159,6 +163,7 @@ class CoreServer:
             engine.stats(),
         )
         self._core = core = EngineCore(engine, self.deliver)
+        self._beater.start()
         try:
             stopped = CoreStopped(core.run(self.receive).reason, failed=False)
         except BaseException as exc:  # any failure ends the loop the same way
@@ -177,6 +182,9 @@ class CoreServer:
         self.close()
 
     def close(self) -> None:
+        self._stop_beating.set()
+        if self._beater.is_alive():
+            self._beater.join()
         self._commands.close()
         self._events.close()
         self._context.term()
@@ -201,21 +209,30 @@ class CoreServer:
         return commands
 
     def _keep_alive(self) -> None:
-        """Heartbeat every client; drop the silent ones and abort their requests (their
-        process died, or the network between us did)."""
+        """Drop the silent clients and abort their requests (their process died, or the network
+        between us did). Runs after the commands were drained, so what a client sent during a
+        long step counts."""
         now = time.monotonic()
         silent = [i for i, c in self._clients.items() if now - c.last_seen > PEER_SILENCE_S]
         for identity in silent:
             self._drop(identity, f"silent for {PEER_SILENCE_S:.0f} s")
-        if now >= self._heartbeat_due:
-            self._heartbeat_due = now + HEARTBEAT_S
-            for identity in self._clients:
-                self._send(identity, _batch())
+
+    def _beat(self) -> None:
+        """Heartbeat every admitted client from a thread of its own, so that a step longer than
+        ``PEER_SILENCE_S`` (a long prefill on a slow CPU) does not read as a dead core; torch
+        releases the GIL in its kernels. A core whose loop hangs keeps beating: death of the
+        process or of the host is what the beats tell."""
+        beat = ENCODER.encode(_batch())
+        while not self._stop_beating.wait(HEARTBEAT_S):
+            for identity in list(self._clients):
+                with self._events_lock:
+                    self._events.send_multipart([identity, beat], copy=False)
 
     def _greet(self) -> None:
         while True:
             try:
-                identity, payload = self._events.recv_multipart(zmq.NOBLOCK)
+                with self._events_lock:
+                    identity, payload = self._events.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             reply = self._handshake(identity, payload)
@@ -328,4 +345,6 @@ class CoreServer:
             self._send(identity, batch)
 
     def _send(self, identity: bytes, message: Any) -> None:
-        self._events.send_multipart([identity, ENCODER.encode(message)], copy=False)
+        payload = ENCODER.encode(message)
+        with self._events_lock:
+            self._events.send_multipart([identity, payload], copy=False)
