@@ -6,8 +6,9 @@ socket, where they also say ``Hello`` first (the reply goes back on the socket t
 known to be connected to), then proves the shared secret (``core_auth``; the core proves it too).
 Commands from a client that has not been admitted are dropped; with a shared secret, a client
 without the proof is refused. Traffic is not encrypted: over ``tcp://`` keep the core on a
-trusted network. Both sides heartbeat (``HEARTBEAT_S``; the core from a thread of its own): a client silent for
-``PEER_SILENCE_S`` (its process died) is dropped and its requests aborted, freeing their blocks.
+trusted network. Both sides heartbeat (``HEARTBEAT_S``; the core from a thread of its own): a
+client silent for ``PEER_SILENCE_S`` (its process died) is dropped and its requests aborted,
+freeing their blocks.
 
 The loop busy-polls: between steps it drains commands without blocking; idle, it blocks in the
 poll (with the idle health check of ``EngineCore``). The poll also watches a pipe from the
