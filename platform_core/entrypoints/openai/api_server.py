@@ -298,7 +298,7 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = api_key_from(args)  # before loading anything: a bad key fails fast
     config = engine_config_from_args(args)
     name = args.served_model_name or default_model_name(config.model.model)
-    engine = start_engine(config, getattr(args, "engine_mode", "process"))
+    engine = start_engine(config, args.engine_mode)
     server = None
     try:
         app = build_app(
