@@ -105,13 +105,15 @@ def test_repetition_frequency_presence_change_exactly_the_expected_logits():
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
     out = apply_penalties(logits, meta_for([params], outputs=[[3, 3, 1]], prompts=[[0]]))
     expected = torch.tensor(
-        [[
-            2.0 / 2,  # prompt token: repetition only
-            -2.0 * 2 - 0.5 * 1 - 0.25,  # output once
-            1.0,  # unseen
-            3.0 / 2 - 0.5 * 2 - 0.25,  # output twice
-            0.5,
-        ]]
+        [
+            [
+                2.0 / 2,  # prompt token: repetition only
+                -2.0 * 2 - 0.5 * 1 - 0.25,  # output once
+                1.0,  # unseen
+                3.0 / 2 - 0.5 * 2 - 0.25,  # output twice
+                0.5,
+            ]
+        ]
     )
     torch.testing.assert_close(out, expected)
 

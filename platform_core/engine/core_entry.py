@@ -7,6 +7,7 @@ and writes one length-prefixed pickle to its stdin; ``main`` reads it, puts the 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -65,6 +66,10 @@ def run_engine_core(
         server.close()
         status.send_bytes(ENCODER.encode(error_info(exc)))
         return
+    # What start-up left (model, tokenizer, modules) lives as long as the process: moved out of
+    # the collector's sight, so the collections that per-step garbage triggers stay short.
+    gc.collect()
+    gc.freeze()
     status.send_bytes(b"")
     server.serve(engine)
 

@@ -16,6 +16,7 @@ from platform_core.engine.core_messages import CompletionDelta, RequestDelta
 from platform_core.engine.outputs import (
     CompletionOutput,
     PositionLogprobs,
+    RequestMetrics,
     RequestOutput,
 )
 from platform_core.engine.request_stream import GenerateRequest
@@ -32,6 +33,7 @@ class _SentSample:
 class _SentRequest:
     prompt_ids_due: bool  # the client sent text: the token ids go out with the first delta
     prompt_logprobs_due: bool = True
+    metrics: tuple | None = None  # what the metrics were when last sent
     samples: dict[int, _SentSample] = field(default_factory=dict)
 
 
@@ -46,16 +48,52 @@ class DeltaWriter:
         self._sent[request.request_id] = _SentRequest(request.prompt_token_ids is None)
 
     def delta(self, output: RequestOutput) -> RequestDelta:
-        """What ``output`` adds to what was sent; a finished request is forgotten."""
+        """What ``output`` adds to what was sent; a finished request is forgotten.
+
+        This runs for every running request in every step, in the engine core: one pass, no
+        helper calls (they showed in the per-step cost, ``benchmarks/engine_transport.py``).
+        """
         sent = self._sent.get(output.request_id)
         if sent is None:
             sent = self._sent[output.request_id] = _SentRequest(False)
+        samples = sent.samples
         completions = []
         for completion in output.outputs:
-            sample = sent.samples.get(completion.index)
+            sample = samples.get(completion.index)
             if sample is None:
-                sample = sent.samples[completion.index] = _SentSample()
-            completions.append(_completion_delta(completion, sample))
+                sample = samples[completion.index] = _SentSample()
+            text, tokens, logprobs = completion.text, completion.token_ids, completion.logprobs
+            # The text only grows while a request runs (text that may become a stop string is
+            # held back, not taken back); should it ever change otherwise, it is sent whole.
+            start = len(sample.text) if text.startswith(sample.text) else 0
+            completions.append(
+                CompletionDelta(
+                    completion.index,
+                    tokens[sample.tokens :],
+                    start,
+                    text[start:],
+                    None if logprobs is None else logprobs[sample.logprobs :],
+                    completion.cumulative_logprob,
+                    completion.finish_reason,
+                    completion.stop_reason,
+                )
+            )
+            sample.tokens, sample.text = len(tokens), text
+            if logprobs is not None:
+                sample.logprobs = len(logprobs)
+        metrics = output.metrics
+        if metrics is not None:
+            key = (
+                metrics.scheduled_time,
+                metrics.first_token_time,
+                metrics.finished_time,
+                metrics.num_cached_tokens,
+                metrics.num_preemptions,
+            )
+            if key == sent.metrics:
+                metrics = None  # unchanged, as in most steps
+            else:
+                sent.metrics = key
         prompt_ids = None
         if sent.prompt_ids_due:
             prompt_ids, sent.prompt_ids_due = output.prompt_token_ids, False
@@ -68,7 +106,7 @@ class DeltaWriter:
             output.request_id,
             completions,
             output.finished,
-            output.metrics,
+            metrics,
             output.num_cached_tokens,
             output.error,
             prompt_ids,
@@ -84,34 +122,12 @@ class DeltaWriter:
         return len(self._sent)
 
 
-def _completion_delta(completion: CompletionOutput, sent: _SentSample) -> CompletionDelta:
-    text = completion.text
-    # The text only grows while a request runs (text that may become a stop string is held
-    # back, not taken back); should it ever change otherwise, it is sent whole.
-    start = len(sent.text) if text.startswith(sent.text) else 0
-    tokens = completion.token_ids
-    logprobs = completion.logprobs
-    delta = CompletionDelta(
-        completion.index,
-        tokens[sent.tokens :],
-        start,
-        text[start:],
-        None if logprobs is None else logprobs[sent.logprobs :],
-        completion.cumulative_logprob,
-        completion.finish_reason,
-        completion.stop_reason,
-    )
-    sent.tokens = len(tokens)
-    sent.text = text
-    sent.logprobs = 0 if logprobs is None else len(logprobs)
-    return delta
-
-
 @dataclass(slots=True)
 class _Received:
     prompt: str | None
     prompt_token_ids: list[int]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None
     samples: dict[int, CompletionOutput] = field(default_factory=dict)
 
 
@@ -136,6 +152,8 @@ class OutputAssembler:
             state.prompt_token_ids = delta.prompt_token_ids
         if delta.prompt_logprobs is not None:
             state.prompt_logprobs = delta.prompt_logprobs
+        if delta.metrics is not None:
+            state.metrics = delta.metrics
         completions = []
         for part in delta.completions:
             completion = _extend(state.samples.get(part.index), part)
@@ -149,7 +167,7 @@ class OutputAssembler:
             state.prompt_token_ids,
             completions,
             delta.finished,
-            delta.metrics,
+            state.metrics,
             state.prompt_logprobs,
             delta.num_cached_tokens,
             delta.error,

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 
-@dataclass(slots=True)
-class Logprob:
-    """A token's raw log-probability, its rank in the vocabulary, and its text if known."""
+
+class Logprob(msgspec.Struct, array_like=True, gc=False):
+    """A token's raw log-probability, its rank in the vocabulary, and its text if known.
+
+    A msgspec struct rather than a dataclass: an engine-core process sends thousands per step
+    (top logprobs of every running request), and as a struct each is a 3-item array on the
+    wire, decoded without a field-name lookup.
+    """
 
     logprob: float
     rank: int | None = None

@@ -132,13 +132,13 @@ class ProcessEngine(CoreClient):
 
     def _after_stop(self) -> None:
         if self._process is not None:
+            self._process.stdin.close()  # a core still starting stops once it serves
             try:
                 self._process.wait(CORE_EXIT_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 logger.warning("the engine core did not exit; killing it")
                 self._process.kill()
                 self._process.wait()
-            self._process.stdin.close()
         if self._status is not None:
             self._status.close()
         if self._private_dir is not None:

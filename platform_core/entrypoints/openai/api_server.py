@@ -302,7 +302,7 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_model_name(config.model.model)
     if needs_supervisor(args):
         return run_supervised(args, config)
-    engine = start_engine(config, getattr(args, "engine_mode", "process"))
+    engine = start_engine(config, args.engine_mode)
     return serve_engine(engine, args, name, api_key)
 
 
