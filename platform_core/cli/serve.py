@@ -40,8 +40,9 @@ def _positive(kind: type[int] | type[float]) -> Any:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from platform_core.entrypoints.openai.api_server import run_server
+    from platform_core.entrypoints.openai.multi_server import needs_supervisor, run_supervised
 
-    return run_server(args)
+    return run_supervised(args) if needs_supervisor(args) else run_server(args)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -293,15 +293,12 @@ def api_key_from(args: argparse.Namespace) -> str | None:
 def run_server(args: argparse.Namespace) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, then drain and stop (exit status 0), or
     until the engine dies (``ENGINE_DEATH_EXIT_STATUS`` with --exit-on-engine-death).
-    Several API servers or engine cores on other hosts: ``multi_server.run_supervised``."""
+    Several API servers or engine cores on other hosts are ``multi_server.run_supervised``'s."""
     from platform_core.entrypoints.engine_args import engine_config_from_args
-    from platform_core.entrypoints.openai.multi_server import needs_supervisor, run_supervised
 
     api_key = api_key_from(args)  # before loading anything: a bad key fails fast
     config = engine_config_from_args(args)
     name = args.served_model_name or default_model_name(config.model.model)
-    if needs_supervisor(args):
-        return run_supervised(args, config)
     engine = start_engine(config, args.engine_mode)
     return serve_engine(engine, args, name, api_key)
 

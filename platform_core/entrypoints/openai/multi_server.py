@@ -35,7 +35,7 @@ from platform_core.engine.core_auth import load_engine_secret
 from platform_core.engine.core_process import CoreAddresses
 from platform_core.engine.process_engine import ProcessEngine
 from platform_core.engine.registration import RegistrationServer, run_headless
-from platform_core.entrypoints.openai.api_server import ENGINE_DEATH_EXIT_STATUS
+from platform_core.entrypoints.openai.api_server import ENGINE_DEATH_EXIT_STATUS, api_key_from
 from platform_core.entrypoints.openai.api_worker import ApiWorkers, WorkerLaunch
 from platform_core.errors import ConfigError, EngineConnectionError, EngineDeadError
 
@@ -82,8 +82,12 @@ def _raise_stop(signum: int, frame: Any) -> None:
     raise _StopRequested(signal.Signals(signum).name)
 
 
-def run_supervised(args: argparse.Namespace, config: EngineConfig) -> int:
+def run_supervised(args: argparse.Namespace) -> int:
     """Run ``serve`` as the supervisor (see the module); the exit status."""
+    from platform_core.entrypoints.engine_args import engine_config_from_args
+
+    api_key_from(args)  # before loading anything: a bad key fails fast
+    config = engine_config_from_args(args)
     secret = load_engine_secret(args.engine_secret_file)
     if args.headless:
         try:
