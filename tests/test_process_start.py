@@ -192,7 +192,7 @@ def test_another_running_thread_makes_auto_spawn(monkeypatch):
         stop.set()
         bystander.join()
     assert method.name == "spawn"
-    assert "other threads are running (bystander)" in method.reason
+    assert "other threads are running (" in method.reason and "bystander" in method.reason
 
 
 def test_an_initialised_accelerator_runtime_makes_auto_spawn(monkeypatch):

@@ -180,6 +180,21 @@ class RegistrationServer:
             sock.close()
 
 
+def _connect_when_listening(front: tuple[str, int], timeout: float) -> socket.socket:
+    """Connect to the front, retrying while it refuses (it may start after this host) for up
+    to ``timeout`` s; ``EngineConnectionError`` after that."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return socket.create_connection(front, timeout=max(0.1, deadline - time.monotonic()))
+        except ConnectionRefusedError as exc:
+            if time.monotonic() >= deadline:
+                raise EngineConnectionError(
+                    f"no front listened at {front[0]}:{front[1]} within {timeout} s"
+                ) from exc
+            time.sleep(0.2)
+
+
 def run_headless(args: argparse.Namespace, config: EngineConfig, secret: bytes | None) -> None:
     """``serve --headless``: start ``data_parallel_size`` cores, register them, beat until
     SIGINT/SIGTERM. Raises ``EngineDeadError`` when a core dies, ``EngineConnectionError``
@@ -193,7 +208,7 @@ def run_headless(args: argparse.Namespace, config: EngineConfig, secret: bytes |
             "(--engine-secret-file or $PLATFORM_CORE_ENGINE_SECRET)"
         )
     front = (args.data_parallel_address, args.data_parallel_rpc_port)
-    sock = socket.create_connection(front, timeout=args.remote_engine_timeout)
+    sock = _connect_when_listening(front, args.remote_engine_timeout)
     local_host = sock.getsockname()[0]  # where the front reaches this host
     nonces_engine = new_nonce()
     _send(sock, EngineHello(nonces_engine))
