@@ -1,8 +1,8 @@
 """Compare the CPU backend's attention paths: compiled kernel, torch fallback, reference.
 
-Usage: ``python benchmarks/cpu_attention.py [--threads N] [--block-size 16] [--repeats 5]``
-(with ``platform_core`` and ``platform_core_cpu`` importable). Four workloads, head size 64 with
-8 query / 4 KV heads in bfloat16: decode batches (32 sequences of 512 tokens; 64 of 40-607), one
+Usage: ``python benchmarks/cpu_attention.py [--threads N] [--block-size 16] [--repeats 5]
+[--dtype bfloat16|float32]`` (with ``platform_core`` and ``platform_core_cpu`` importable). Four
+workloads, head size 64 with 8 query / 4 KV heads: decode batches (32 sequences of 512 tokens; 64 of 40-607), one
 512-token prefill, and two prefill chunks beside 60 decodes. Block tables are shuffled so blocks
 are scattered in the cache. The first build of the compiled kernel is timed separately (it is
 cached across runs).
@@ -22,7 +22,7 @@ from platform_core_cpu.kernels import load_kernels
 
 from platform_core.attention.reference import reference_paged_attention
 
-SHAPE = AttentionShape(heads=8, kv_heads=4, head_size=64, dtype=torch.bfloat16)
+HEADS, KV_HEADS, HEAD_SIZE = 8, 4, 64
 WORKLOADS = {
     "decode 32 x ctx 512": [(512, 1)] * 32,
     "decode 64 x ctx 40-607": [(40 + 9 * i, 1) for i in range(64)],
@@ -53,11 +53,13 @@ def cpu_layout(canonical: torch.Tensor, block_size: int) -> torch.Tensor:
     return cache
 
 
-def compare(name: str, specs: list[tuple[int, int]], block_size: int, repeats: int) -> None:
+def compare(
+    name: str, specs: list[tuple[int, int]], shape: AttentionShape, block_size: int, repeats: int
+) -> None:
     """Time the three paths on one workload and print the times and the ratios."""
-    query, canonical, metadata = build(specs, block_size, SHAPE)
+    query, canonical, metadata = build(specs, block_size, shape)
     cache = cpu_layout(canonical, block_size)
-    scale = SHAPE.head_size**-0.5
+    scale = shape.head_size**-0.5
     compiled, fallback = CpuAttentionOps("compiled"), CpuAttentionOps("torch")
     fast = best_ms(lambda: compiled.forward(query, cache, metadata, scale), repeats)
     torch_ms = best_ms(lambda: fallback.forward(query, cache, metadata, scale), repeats)
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     isa = host_isa()  # PLATFORM_CORE_CPU_ISA=avx2 measures the AVX2 build
@@ -81,9 +84,10 @@ def main() -> None:
         raise SystemExit(f"compiled kernel unavailable: {build_result.reason}")
     print(f"kernel build/load: {build_result.seconds:.1f} s (cached after the first build)")
     print(isa.describe())
-    print(f"threads={args.threads} block_size={args.block_size} bfloat16 head={SHAPE.head_size}")
+    shape = AttentionShape(HEADS, KV_HEADS, HEAD_SIZE, getattr(torch, args.dtype))
+    print(f"threads={args.threads} block_size={args.block_size} {args.dtype} head={HEAD_SIZE}")
     for name, specs in WORKLOADS.items():
-        compare(name, specs, args.block_size, args.repeats)
+        compare(name, specs, shape, args.block_size, args.repeats)
 
 
 if __name__ == "__main__":

@@ -14,19 +14,19 @@
 namespace platform_core_cpu {
 namespace {
 
-constexpr int64_t kChunk = 16 * kLanes;  // elements per chunk: sixteen 16-lane vectors
+constexpr int64_t kChunk = 16 * kLanes;  // elements per chunk: sixteen vectors
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
 
 // Maximum of one full chunk; NaN lanes are skipped and reported through `nan_seen`. Four
 // independent maxima keep the loads streaming.
-inline float chunk_max(const float* x, ivec16& nan_seen) {
+inline float chunk_max(const float* x, veci& nan_seen) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  vec16 m[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
+  vecf m[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
   for (int64_t k = 0; k < kChunk; k += 4 * kLanes) {
     for (int u = 0; u < 4; ++u) {
-      const vec16 v = load16(x + k + u * kLanes);
+      const vecf v = loadv(x + k + u * kLanes);
       nan_seen |= (v != v);
       m[u] = vmax(v, m[u]);  // a NaN `v` compares false and leaves the maximum as it was
     }
@@ -36,12 +36,12 @@ inline float chunk_max(const float* x, ivec16& nan_seen) {
 
 // The same over bf16 bit patterns, widened 32 at a time (even and odd elements apart: order
 // inside a chunk does not matter for its maximum).
-inline float chunk_max(const uint16_t* x, ivec16& nan_seen) {
+inline float chunk_max(const uint16_t* x, veci& nan_seen) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  vec16 m[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
+  vecf m[4] = {splat(kNegInf), splat(kNegInf), splat(kNegInf), splat(kNegInf)};
   for (int64_t k = 0; k < kChunk; k += 4 * kLanes) {
     for (int u = 0; u < 2; ++u) {
-      vec16 even, odd;
+      vecf even, odd;
       load_pairs(x + k + 2 * u * kLanes, kLanes, even, odd);
       nan_seen |= (even != even) | (odd != odd);
       m[2 * u] = vmax(even, m[2 * u]);
@@ -57,7 +57,7 @@ inline float chunk_max(const uint16_t* x, ivec16& nan_seen) {
 template <typename T>
 int64_t row_argmax(const T* x, int64_t n) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  ivec16 nan_seen = {};
+  veci nan_seen = {};
   float best = kNegInf;
   int64_t best_chunk = 0;
   const int64_t num_chunks = n / kChunk;

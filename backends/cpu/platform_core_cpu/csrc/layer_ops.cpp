@@ -28,40 +28,39 @@ inline float round_to(float x) {
   return to_float(from_float<T>(x));
 }
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
-// 16 elements of T as fp32.
+// kLanes elements of T as fp32.
 template <typename T>
-inline vec16 load16_as_float(const T* p) {
+inline vecf loadv_as_float(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
-    return load16(p);
+    return loadv(p);
   } else {
-    u16x16 raw;
+    vecu16 raw;
     std::memcpy(&raw, p, sizeof raw);
-    return std::bit_cast<vec16>(__builtin_convertvector(raw, ivec16) << 16);
+    return std::bit_cast<vecf>(__builtin_convertvector(raw, veci) << 16);
   }
 }
 
 // x rounded to T's precision (round to nearest even), still as fp32; NaN stays NaN.
 template <typename T>
-inline vec16 round16(vec16 x) {
+inline vecf round_lanes(vecf x) {
   if constexpr (std::is_same_v<T, float>) {
     return x;
   } else {
-    const ivec16 bits = std::bit_cast<ivec16>(x);
-    const ivec16 rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & static_cast<int32_t>(0xFFFF0000);
-    return x != x ? x : std::bit_cast<vec16>(rounded);
+    const veci bits = std::bit_cast<veci>(x);
+    const veci rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & static_cast<int32_t>(0xFFFF0000);
+    return x != x ? x : std::bit_cast<vecf>(rounded);
   }
 }
 
-// Stores 16 fp32 values already rounded to T's precision.
+// Stores kLanes fp32 values already rounded to T's precision.
 template <typename T>
-inline void store16_rounded(T* p, vec16 x) {
+inline void storev_rounded(T* p, vecf x) {
   if constexpr (std::is_same_v<T, float>) {
-    store16(p, x);
+    storev(p, x);
   } else {
-    const u16x16 raw = __builtin_convertvector(
-        static_cast<ivec16>(std::bit_cast<ivec16>(x) >> 16) & 0xFFFF, u16x16);
+    const vecu16 raw = __builtin_convertvector(
+        static_cast<veci>(std::bit_cast<veci>(x) >> 16) & 0xFFFF, vecu16);
     std::memcpy(p, &raw, sizeof raw);
   }
 }
@@ -102,15 +101,15 @@ void silu_and_mul_rows(const at::Tensor& x, const at::Tensor& out) {
       T* o = dst + r * dim;
       int64_t i0 = 0;
       for (; i0 + kLanes <= dim; i0 += kLanes) {
-        const vec16 v = load16_as_float(g + i0);
-        const vec16 silu = round16<T>(v / (1.0f + exp16(-v)));
-        store16_rounded(o + i0, round16<T>(silu * load16_as_float(u + i0)));
+        const vecf v = loadv_as_float(g + i0);
+        const vecf silu = round_lanes<T>(v / (1.0f + expv(-v)));
+        storev_rounded(o + i0, round_lanes<T>(silu * loadv_as_float(u + i0)));
       }
       if (i0 == dim) continue;
       const int64_t n = dim - i0;  // the tail, through a padded buffer
       for (int64_t j = 0; j < kLanes; ++j) gate[j] = j < n ? to_float(g[i0 + j]) : 0.0f;
-      const vec16 v = load16(gate);
-      store16(gate, v / (1.0f + exp16(-v)));
+      const vecf v = loadv(gate);
+      storev(gate, v / (1.0f + expv(-v)));
       for (int64_t j = 0; j < n; ++j) {
         o[i0 + j] = from_float<T>(round_to<T>(gate[j]) * to_float(u[i0 + j]));
       }

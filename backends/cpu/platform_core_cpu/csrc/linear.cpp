@@ -22,36 +22,8 @@
 namespace platform_core_cpu {
 namespace {
 
-// One native vector: 16 lanes where AVX-512 is there, 8 (one AVX2 register) elsewhere.
-#if defined(__AVX512F__)
-constexpr int64_t kWidth = 16;
-#else
-constexpr int64_t kWidth = 8;
-#endif
-typedef float vecw __attribute__((vector_size(kWidth * sizeof(float))));
-typedef uint16_t hvecw __attribute__((vector_size(kWidth * sizeof(uint16_t))));
-typedef uint32_t uvecw __attribute__((vector_size(kWidth * sizeof(uint32_t))));
-
 constexpr int64_t kWidenedRowsMax = 32;
 constexpr int64_t kChunkElements = 1 << 18;  // fp32 weights widened per matmul: 1 MiB
-
-inline vecw widen(const uint16_t* p) {
-  hvecw half;
-  std::memcpy(&half, p, sizeof half);
-  return std::bit_cast<vecw>(__builtin_convertvector(half, uvecw) << 16);
-}
-
-inline vecw loadw(const float* p) {
-  vecw v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float hsumw(vecw v) {
-  float sum = 0.0f;
-  for (int64_t i = 0; i < kWidth; ++i) sum += v[i];
-  return sum;
-}
 
 inline float bf16_bits_to_float(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
 
@@ -59,19 +31,19 @@ inline float bf16_bits_to_float(uint16_t bits) { return std::bit_cast<float>(uin
 template <int MR, int NR>
 inline void dot_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k,
                      float (&sums)[4][2]) {
-  vecw acc[MR][NR] = {};
+  vecf acc[MR][NR] = {};
   int64_t c = 0;
-  for (; c + kWidth <= k; c += kWidth) {
-    vecw wv[NR];
+  for (; c + kLanes <= k; c += kLanes) {
+    vecf wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = widen(w + j * k + c);
     for (int i = 0; i < MR; ++i) {
-      const vecw xv = loadw(x + i * ldx + c);
+      const vecf xv = loadv(x + i * ldx + c);
       for (int j = 0; j < NR; ++j) acc[i][j] += xv * wv[j];
     }
   }
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
-      float sum = hsumw(acc[i][j]);
+      float sum = hsum(acc[i][j]);
       for (int64_t t = c; t < k; ++t) sum += x[i * ldx + t] * bf16_bits_to_float(w[j * k + t]);
       sums[i][j] = sum;
     }
@@ -81,13 +53,13 @@ inline void dot_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k,
 // x (fp32) . one W row, for one-row linears: one front-to-back stream of the row (see
 // dot_row_bf16) and four accumulators, so that four FMA chains are in flight.
 float dot_row_widened(const float* x, const uint16_t* w, int64_t k) {
-  vecw acc[4] = {};
+  vecf acc[4] = {};
   int64_t c = 0;
-  for (; c + 4 * kWidth <= k; c += 4 * kWidth) {
-    for (int u = 0; u < 4; ++u) acc[u] += loadw(x + c + u * kWidth) * widen(w + c + u * kWidth);
+  for (; c + 4 * kLanes <= k; c += 4 * kLanes) {
+    for (int u = 0; u < 4; ++u) acc[u] += loadv(x + c + u * kLanes) * widen(w + c + u * kLanes);
   }
-  for (; c + kWidth <= k; c += kWidth) acc[0] += loadw(x + c) * widen(w + c);
-  float sum = hsumw((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  for (; c + kLanes <= k; c += kLanes) acc[0] += loadv(x + c) * widen(w + c);
+  float sum = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
   for (; c < k; ++c) sum += x[c] * bf16_bits_to_float(w[c]);
   return sum;
 }

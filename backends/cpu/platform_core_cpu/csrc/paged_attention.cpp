@@ -4,8 +4,8 @@
 //
 // Each (block, KV head) of the cache is one tile of block_size x head_size elements, stored so
 // that both products vectorize without horizontal sums (block_size and head_size are even):
-//   keys   [head_size / 2][block_size][2]: a vector of 16 pairs is one dimension pair of 16 keys,
-//   values [block_size / 2][head_size][2]: a vector of 16 pairs is 16 dimensions of a key pair.
+//   keys   [head_size / 2][block_size][2]: kLanes pairs are one dimension pair of kLanes keys,
+//   values [block_size / 2][head_size][2]: kLanes pairs are kLanes dimensions of a key pair.
 // On CPUs with AVX512-BF16 a bf16 cache multiplies those pairs directly (vdpbf16ps); the other
 // paths split key pairs into even and odd fp32 lanes. An fp32 cache keeps value pairs as stored:
 // each row accumulates even and odd keys side by side and adds the two at the end.
@@ -92,13 +92,13 @@ struct Scratch {
 };
 
 // Scaled scores of R query rows (from `first`) against keys [0, count) of a key tile, into
-// rows of s.scores; lanes up to the next multiple of 16 past `count` are unspecified.
+// rows of s.scores; lanes up to the next multiple of kLanes past `count` are unspecified.
 template <typename T, int R>
 void score_chunk(int64_t first, const T* keys, int64_t count, const Geometry& g, Scratch& s) {
   const int64_t pairs = g.head_size / 2;
   for (int64_t j = 0; j < count; j += kLanes) {
     const int64_t lanes = std::min(kLanes, g.block_size - j);
-    vec16 dots[R];
+    vecf dots[R];
     if constexpr (kBf16Dots<T>) {
 #if defined(__AVX512BF16__)
       const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
@@ -112,13 +112,13 @@ void score_chunk(int64_t first, const T* keys, int64_t count, const Geometry& g,
           acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q[r * pairs + p]), k);
         }
       }
-      for (int r = 0; r < R; ++r) std::memcpy(&dots[r], &acc[r], sizeof(vec16));
+      for (int r = 0; r < R; ++r) std::memcpy(&dots[r], &acc[r], sizeof(vecf));
 #endif
     } else {
       const float* q = s.q.data() + first * g.head_size;
-      for (int r = 0; r < R; ++r) dots[r] = vec16{};
+      for (int r = 0; r < R; ++r) dots[r] = vecf{};
       for (int64_t p = 0; p < pairs; ++p) {
-        vec16 even, odd;
+        vecf even, odd;
         load_pairs(raw(keys) + 2 * (p * g.block_size + j), lanes, even, odd);
         // Two accumulations, not one of a sum: two FMAs instead of a multiply, FMA and add.
         for (int r = 0; r < R; ++r) {
@@ -127,7 +127,7 @@ void score_chunk(int64_t first, const T* keys, int64_t count, const Geometry& g,
         }
       }
     }
-    for (int r = 0; r < R; ++r) store16(s.scores.data() + r * s.score_stride + j, dots[r] * g.scale);
+    for (int r = 0; r < R; ++r) storev(s.scores.data() + r * s.score_stride + j, dots[r] * g.scale);
   }
 }
 
@@ -153,31 +153,30 @@ void accumulate_values(float* acc, float decay, const float* p, int64_t pairs, c
                        const Geometry& g) {
   for (int64_t c = 0; c < g.head_size; c += kLanes) {
     const int64_t lanes = std::min(kLanes, g.head_size - c);
-    vec16 a = load16(acc + c) * decay;
+    vecf a = loadv(acc + c) * decay;
     for (int64_t i = 0; i < pairs; ++i) {
-      vec16 even, odd;
+      vecf even, odd;
       load_pairs(raw(values) + 2 * (i * g.head_size + c), lanes, even, odd);
       a += p[2 * i] * even;  // two FMAs (see score_chunk)
       a += p[2 * i + 1] * odd;
     }
-    store16(acc + c, a);
+    storev(acc + c, a);
   }
 }
 
 // The (p[2i], p[2i + 1]) pair in every 64-bit lane.
-inline vec16 splat_pair(const float* p) {
-  typedef int64_t i64vec8 __attribute__((vector_size(64)));
+inline vecf splat_pair(const float* p) {
   int64_t bits;
   std::memcpy(&bits, p, sizeof bits);
-  return std::bit_cast<vec16>(i64vec8{} + bits);
+  return std::bit_cast<vecf>(veci64{} + bits);
 }
 
 // The first `lanes` floats at `src`, zeros after.
-inline vec16 load_first(const float* src, int64_t lanes) {
-  if (lanes >= kLanes) return load16(src);
+inline vecf load_first(const float* src, int64_t lanes) {
+  if (lanes >= kLanes) return loadv(src);
   float padded[kLanes] = {};
   std::memcpy(padded, src, lanes * sizeof(float));
-  return load16(padded);
+  return loadv(padded);
 }
 
 // The same for an fp32 value tile without splitting pairs: acc holds 2 * head_size pair sums
@@ -188,22 +187,22 @@ void accumulate_value_pairs(float* acc, float decay, const float* p, int64_t pai
   const int64_t width = 2 * g.head_size;
   int64_t c = 0;
   for (; c + 4 * kLanes <= width; c += 4 * kLanes) {
-    vec16 a[4];
-    for (int k = 0; k < 4; ++k) a[k] = load16(acc + c + k * kLanes) * decay;
+    vecf a[4];
+    for (int k = 0; k < 4; ++k) a[k] = loadv(acc + c + k * kLanes) * decay;
     for (int64_t i = 0; i < pairs; ++i) {
-      const vec16 w = splat_pair(p + 2 * i);
+      const vecf w = splat_pair(p + 2 * i);
       const float* v = values + i * width + c;
-      for (int k = 0; k < 4; ++k) a[k] += w * load16(v + k * kLanes);
+      for (int k = 0; k < 4; ++k) a[k] += w * loadv(v + k * kLanes);
     }
-    for (int k = 0; k < 4; ++k) store16(acc + c + k * kLanes, a[k]);
+    for (int k = 0; k < 4; ++k) storev(acc + c + k * kLanes, a[k]);
   }
   for (; c < width; c += kLanes) {
     const int64_t lanes = std::min(kLanes, width - c);
-    vec16 a = load16(acc + c) * decay;
+    vecf a = loadv(acc + c) * decay;
     for (int64_t i = 0; i < pairs; ++i) {
       a += splat_pair(p + 2 * i) * load_first(values + i * width + c, lanes);
     }
-    store16(acc + c, a);
+    storev(acc + c, a);
   }
 }
 
@@ -245,18 +244,18 @@ template <typename T>
 void attend_block(int64_t r, int64_t count, float* scores, const T* values, const Geometry& g,
                   Scratch& s) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  vec16 block_max = splat(kNegInf);
+  vecf block_max = splat(kNegInf);
   for (int64_t j = 0; j < count; j += kLanes) {
-    block_max = vmax(block_max, keep_first(load16(scores + j), count - j, kNegInf));
+    block_max = vmax(block_max, keep_first(loadv(scores + j), count - j, kNegInf));
   }
   const float new_max = std::max(s.row_max[r], hmax(block_max));
-  const float decay = exp16(splat(s.row_max[r] - new_max))[0];  // ~0 on the row's first block
-  // Probabilities up to a multiple of 32 keys, zero past `count`: whole pairs and bf16 vectors.
+  const float decay = expv(splat(s.row_max[r] - new_max))[0];  // ~0 on the row's first block
+  // Probabilities up to a multiple of 2 * kLanes keys, zero past `count`: whole pairs and bf16 vectors.
   const int64_t padded = round_up(count, 2 * kLanes);
-  vec16 block_sum = {};
+  vecf block_sum = {};
   for (int64_t j = 0; j < padded; j += kLanes) {
-    const vec16 p = keep_first(exp16(load16(scores + j) - new_max), count - j, 0.0f);
-    store16(scores + j, p);
+    const vecf p = keep_first(expv(loadv(scores + j) - new_max), count - j, 0.0f);
+    storev(scores + j, p);
     block_sum += p;
   }
   s.row_sum[r] = s.row_sum[r] * decay + hsum(block_sum);
