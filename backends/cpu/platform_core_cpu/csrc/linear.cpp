@@ -23,6 +23,10 @@ namespace platform_core_cpu {
 namespace {
 
 constexpr int64_t kWidenedRowsMax = 32;
+// Weight elements a one-row stream asks for ahead of use (4 KiB): widening takes several
+// instructions per cache line, so the out-of-order window alone keeps too few lines in flight
+// to cover memory latency (on AVX2, SmolLM2's output head: 6.0 -> 3.6 ms; RESULTS.md).
+constexpr int64_t kStreamAhead = 2048;
 constexpr int64_t kChunkElements = 1 << 18;  // fp32 weights widened per matmul: 1 MiB
 
 inline float bf16_bits_to_float(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
@@ -50,17 +54,27 @@ inline void dot_tile(const float* x, int64_t ldx, const uint16_t* w, int64_t k,
   }
 }
 
-// x (fp32) . one W row, for one-row linears: one front-to-back stream of the row (see
-// dot_row_bf16) and four accumulators, so that four FMA chains are in flight.
-float dot_row_widened(const float* x, const uint16_t* w, int64_t k) {
+// x . one W row, for one-row linears, with x split into its even (xe) and odd (xo) elements
+// as fp32: a weight vector of 2 * kLanes bf16 is kLanes 32-bit pairs that widen in two integer
+// operations (the low half shifted up, the high half masked), a third of the instructions of
+// widening in order. One front-to-back stream of the row (see dot_row_bf16) and four
+// accumulators, so that four FMA chains are in flight.
+float dot_row_widened(const float* xe, const float* xo, const uint16_t* w, int64_t k) {
+  constexpr int64_t kStep = 4 * kLanes;  // bf16 elements per iteration: two pair vectors
   vecf acc[4] = {};
   int64_t c = 0;
-  for (; c + 4 * kLanes <= k; c += 4 * kLanes) {
-    for (int u = 0; u < 4; ++u) acc[u] += loadv(x + c + u * kLanes) * widen(w + c + u * kLanes);
+  for (; c + kStep <= k; c += kStep) {
+    __builtin_prefetch(w + c + kStreamAhead);
+    for (int u = 0; u < 2; ++u) {
+      const int64_t at = c + 2 * u * kLanes;
+      vecf even, odd;
+      load_pairs(w + at, kLanes, even, odd);
+      acc[2 * u] += loadv(xe + at / 2) * even;
+      acc[2 * u + 1] += loadv(xo + at / 2) * odd;
+    }
   }
-  for (; c + kLanes <= k; c += kLanes) acc[0] += loadv(x + c) * widen(w + c);
   float sum = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
-  for (; c < k; ++c) sum += x[c] * bf16_bits_to_float(w[c]);
+  for (; c < k; ++c) sum += (c % 2 ? xo : xe)[c / 2] * bf16_bits_to_float(w[c]);
   return sum;
 }
 
@@ -180,19 +194,22 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     widened_matmul(x, weight, bias_f, out);
     return out;
   }
-  std::vector<float> xf(m * k);
-  const int64_t ldx = x.stride(0);
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t c = 0; c < k; ++c) xf[r * k + c] = bf16_bits_to_float(xp[r * ldx + c]);
-  }
   if (m == 1) {
+    const int64_t half = (k + 1) / 2;
+    std::vector<float> xe(half), xo(half);
+    for (int64_t c = 0; c < k; ++c) (c % 2 ? xo : xe)[c / 2] = bf16_bits_to_float(xp[c]);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
-        const float sum = dot_row_widened(xf.data(), wp + row * k, k);
+        const float sum = dot_row_widened(xe.data(), xo.data(), wp + row * k, k);
         op[row] = from_float<c10::BFloat16>(sum + (b ? b[row] : 0.0f));
       }
     });
     return out;
+  }
+  std::vector<float> xf(m * k);
+  const int64_t ldx = x.stride(0);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t c = 0; c < k; ++c) xf[r * k + c] = bf16_bits_to_float(xp[r * ldx + c]);
   }
   // Bands start at even rows so that every thread's weight-row pairs are whole.
   at::parallel_for(0, (n + 1) / 2, std::max<int64_t>(1, grain / 2), [&](int64_t begin, int64_t end) {
