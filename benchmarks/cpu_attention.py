@@ -2,10 +2,10 @@
 
 Usage: ``python benchmarks/cpu_attention.py [--threads N] [--block-size 16] [--repeats 5]
 [--dtype bfloat16|float32]`` (with ``platform_core`` and ``platform_core_cpu`` importable). Four
-workloads, head size 64 with 8 query / 4 KV heads: decode batches (32 sequences of 512 tokens; 64 of 40-607), one
-512-token prefill, and two prefill chunks beside 60 decodes. Block tables are shuffled so blocks
-are scattered in the cache. The first build of the compiled kernel is timed separately (it is
-cached across runs).
+workloads, head size 64 with 8 query / 4 KV heads: decode batches (32 sequences of 512 tokens;
+64 of 40-607), one 512-token prefill, and two prefill chunks beside 60 decodes. Block tables are
+shuffled so blocks are scattered in the cache. The first build of the compiled kernel is timed
+separately (it is cached across runs).
 """
 
 from __future__ import annotations
