@@ -334,7 +334,8 @@ def test_a_reader_that_keeps_up_is_never_cut(async_engine):
 
 def test_an_idle_engine_notices_a_dead_worker(tiny_model_dir):
     engine = AsyncEngine.from_config(
-        engine_config(tiny_model_dir("llama"), tensor_parallel_size=2, worker_timeout_s=10)
+        # The timeout bounds the workers' start (a loaded 2-core CI machine took over 10 s).
+        engine_config(tiny_model_dir("llama"), tensor_parallel_size=2, worker_timeout_s=60)
     )
     try:
 
