@@ -250,7 +250,8 @@ void attend_block(int64_t r, int64_t count, float* scores, const T* values, cons
   }
   const float new_max = std::max(s.row_max[r], hmax(block_max));
   const float decay = expv(splat(s.row_max[r] - new_max))[0];  // ~0 on the row's first block
-  // Probabilities up to a multiple of 2 * kLanes keys, zero past `count`: whole pairs and bf16 vectors.
+  // Probabilities up to a multiple of 2 * kLanes keys, zero past `count`: whole pairs and
+  // bf16 vectors.
   const int64_t padded = round_up(count, 2 * kLanes);
   vecf block_sum = {};
   for (int64_t j = 0; j < padded; j += kLanes) {
