@@ -1,6 +1,7 @@
 """Shared fixtures: tiny seeded HF models saved as safetensors, and the reference attention ops.
 
-``engine`` is the server tests' engine, in the mode under test (``server_utils.ENGINE_MODE``);
+``engine`` is the server tests' engine, in the mode under test (``server_utils.ENGINE_MODE``):
+one per model directory, shared by the modules that do not start their own (``shared_engines``);
 ``probe`` / ``steps`` control its steps wherever it runs (``engine_probe.EngineProbe``).
 
 ``tiny_model_dir(name)`` builds (once per session) a small random model with transformers, saves
@@ -173,22 +174,53 @@ def model_dir(text_model_dir: Path) -> Path:
     return text_model_dir
 
 
-@pytest.fixture(scope="module")
-def probe(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """An ``EngineProbe`` for the module's ``engine`` (reset by ``steps`` after each test)."""
+@pytest.fixture(scope="session")
+def shared_engines(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Factory: the server tests' engine on a model directory and its ``EngineProbe``, started
+    once per session (an engine core takes seconds to start) and shared by the modules that
+    take the default ``engine``; each module hands it back clean (``engine`` checks)."""
     from engine_probe import EngineProbe
-
-    return EngineProbe(tmp_path_factory.mktemp("probe"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path, probe: Any) -> Any:
-    """The server tests' engine on ``model_dir``, in the mode under test, with ``probe``."""
     from server_utils import engine_config, start_test_engine
 
-    engine = start_test_engine(engine_config(model_dir), probe)
+    started: dict[Path, tuple[Any, Any]] = {}
+
+    def get(model_dir: Path) -> tuple[Any, Any]:
+        if model_dir not in started:
+            probe = EngineProbe(tmp_path_factory.mktemp("probe"))
+            started[model_dir] = (start_test_engine(engine_config(model_dir), probe), probe)
+        return started[model_dir]
+
+    yield get
+    for engine, _ in started.values():
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def probe(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    model_dir: Path,
+    shared_engines: Any,
+) -> Any:
+    """The probe on the module's ``engine``: the shared engine's, or a fresh one for a module
+    that defines an ``engine`` of its own (reset by ``steps`` after each test)."""
+    from engine_probe import EngineProbe
+
+    if "engine" in vars(request.module):
+        return EngineProbe(tmp_path_factory.mktemp("probe"))
+    return shared_engines(model_dir)[1]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, probe: Any, shared_engines: Any) -> Any:
+    """The server tests' engine on ``model_dir``, in the mode under test, with ``probe``: the
+    session's shared one, checked clean and its probe reset when the module is done."""
+    from server_utils import assert_engine_clean
+
+    engine, _ = shared_engines(model_dir)
     yield engine
-    engine.shutdown()
+    probe.reset()
+    assert_engine_clean(engine, probe)
 
 
 @pytest.fixture(scope="module")

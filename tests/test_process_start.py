@@ -32,6 +32,7 @@ def started():
     children: list[ChildProcess] = []
     yield children
     for child in children:
+        child.conn.close()  # an echoing child exits when its pipe closes: no 5 s wait for it
         child.stop(timeout_s=5)
 
 

@@ -121,7 +121,10 @@ def test_return_token_ids(client, engine):
     choice = completion.choices[0]
     assert choice.prompt_token_ids == engine.tokenizer.encode(PROMPT)
     assert len(choice.token_ids) == 3
-    assert engine.tokenizer.decode(choice.token_ids) == choice.text
+    # The text holds back a last character whose UTF-8 bytes are not all out yet (decode
+    # shows it as U+FFFD); the tiny byte-level tokenizer draws such tokens often.
+    decoded = engine.tokenizer.decode(choice.token_ids)
+    assert decoded.startswith(choice.text) and set(decoded[len(choice.text) :]) <= {"\ufffd"}
     chunks = list(
         client.chat.completions.create(
             model=MODEL_NAME,

@@ -173,7 +173,12 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(model_dir, tmp_path):
     probe = EngineProbe(tmp_path)
     probe.delay = 0.02
     engine = start_test_engine(config, probe)
-    body = {"prompt": "Rome", "max_tokens": 8, "ignore_eos": True}
+    body = {
+        "prompt": "Rome",
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         with live_server(engine) as url:
 
@@ -188,7 +193,8 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(model_dir, tmp_path):
             assert len(refused) + len(served) == len(results)
             assert refused, "40 requests against 2 running + 4 waiting were all accepted"
             assert len(served) >= limit  # an empty queue takes `limit` at once, whatever the timing
-            assert all(r.done and len(r.events) == 8 for r in served)
+            # A reader that falls behind gets fewer, larger chunks, so count tokens by usage.
+            assert all(r.done and r.usage["completion_tokens"] == 8 for r in served)
             for r in refused:
                 assert int(r.headers["retry-after"]) >= 1
                 assert r.body["error"]["type"] == "service_unavailable_error"

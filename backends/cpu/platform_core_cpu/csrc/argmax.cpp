@@ -6,7 +6,6 @@
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <limits>
@@ -107,7 +106,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
               "argmax_rows: float32 or bfloat16 [rows, n] with contiguous rows");
   TORCH_CHECK(x.size(1) > 0, "argmax_rows: rows must not be empty");
   const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  at::Tensor out = new_tensor({rows}, at::kLong);
   int64_t* dst = out.data_ptr<int64_t>();
   if (is_float) {
     argmax_rows_of(x.data_ptr<float>(), rows, n, stride, dst);

@@ -1,12 +1,18 @@
 // Declarations shared by the CPU kernel translation units, and their element conversions.
 #pragma once
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 
 #include <bit>
 #include <cstdint>
 
 namespace platform_core_cpu {
+
+// A new uninitialized CPU tensor; at::empty's header alone doubles a kernel file's compile time.
+inline at::Tensor new_tensor(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, std::nullopt);
+}
 
 // Causal paged attention over a flattened batch of prefill chunks and decodes; writes `out`.
 void paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,

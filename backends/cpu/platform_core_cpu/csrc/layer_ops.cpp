@@ -6,7 +6,6 @@
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstring>
@@ -159,7 +158,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
                   weight.scalar_type() == x.scalar_type(),
               "rms_norm weight: contiguous [hidden] in the input's dtype");
-  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor out = new_tensor(x.sizes(), x.scalar_type());
   if (x.scalar_type() == at::kFloat) {
     rms_norm_rows<float>(x, weight, eps, out);
   } else {
@@ -171,7 +170,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "silu_and_mul input");
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul input: even last dimension (gate | up)");
-  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  at::Tensor out = new_tensor({x.size(0), x.size(1) / 2}, x.scalar_type());
   if (x.scalar_type() == at::kFloat) {
     silu_and_mul_rows<float>(x, out);
   } else {

@@ -14,8 +14,6 @@
 #include "vec_math.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/mm.h>
 
 #include <vector>
 
@@ -149,7 +147,7 @@ void widened_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   const int64_t rows = std::max<int64_t>(16, kChunkElements / std::max<int64_t>(1, k));
   for (int64_t start = 0; start < n; start += rows) {
     const int64_t len = std::min(rows, n - start);
-    at::Tensor part = at::mm(xf, weight.narrow(0, start, len).to(at::kFloat).t());
+    at::Tensor part = xf.mm(weight.narrow(0, start, len).to(at::kFloat).t());
     if (bias.defined()) part.add_(bias.narrow(0, start, len));
     out.narrow(1, start, len).copy_(part);
   }
@@ -172,7 +170,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear_bf16: bias [N]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = new_tensor({m, n}, x.scalar_type());
   if (m == 0 || n == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<c10::BFloat16>());
