@@ -6,12 +6,14 @@ until each has decoded ``--decoded`` tokens; meanwhile every step's time is spli
 detokenization (``IncrementalDetokenizer.add``), stop-string checks and the rest. Then the last
 two steps' outputs go through the protocol ``--iters`` times, timed part by part:
 
-- encode: ``DeltaWriter`` (what is new since the previous step) and the msgpack encoding;
+- encode: ``DeltaWriter.write`` (what is new since the previous step, as the core's
+  ``CoreServer.deliver`` writes it from the step's outputs: the usual request in the columns of
+  ``StepDeltas``, any other as a full ``RequestDelta``) and the msgpack encoding;
 - send + receive: ZMQ over ``ipc://`` (ROUTER to DEALER, the sockets ``serve`` uses), both
   ends in this process, so no scheduler hop is counted;
 - decode: msgpack back into the message structs;
 - rebuild: the front's ``OutputAssembler`` making the cumulative ``RequestOutput``s (on the
-  front's side of the GIL split, not the core's).
+  front's side of the GIL split, not the core's), checked equal to the engine's.
 
     python benchmarks/engine_transport.py [--model DIR] [--requests 256] [--decoded 64]
         [--logprobs N] [--iters 300]
@@ -31,6 +33,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import zmq
@@ -40,7 +43,8 @@ from platform_core.engine import sequence_state
 from platform_core.engine.core_messages import ENCODER, EVENT_DECODER, CoreBatch
 from platform_core.engine.detokenizer import IncrementalDetokenizer
 from platform_core.engine.llm_engine import LLMEngine
-from platform_core.engine.output_deltas import DeltaWriter, OutputAssembler
+from platform_core.engine.output_assembly import OutputAssembler
+from platform_core.engine.output_deltas import DeltaWriter
 from platform_core.engine.request_stream import GenerateRequest
 from platform_core.sampling_params import SamplingParams
 
@@ -127,24 +131,24 @@ def time_transport(previous: list, current: list, requests: list, iters: int) ->
     identity, _ = core.recv_multipart()
     parts: dict[str, list[float]] = defaultdict(list)
     size = 0
+    by_id = attrgetter("request_id")
     for _ in range(iters):
         writer, assembler = DeltaWriter(), OutputAssembler()
         for r in requests:
             writer.expect(r)
             assembler.expect(r)
-        for delta in [writer.delta(o) for o in previous]:
-            assembler.apply(delta)
+        assembler.apply(writer.write(previous))
         t0 = time.perf_counter()
-        payload = ENCODER.encode(CoreBatch([], [], [writer.delta(o) for o in current], None))
+        payload = ENCODER.encode(CoreBatch([], [], writer.write(current), None))
         t1 = time.perf_counter()
         core.send_multipart([identity, payload], copy=False)
         message = front.recv(copy=False)
         t2 = time.perf_counter()
         batch = EVENT_DECODER.decode(message.buffer)
         t3 = time.perf_counter()
-        rebuilt = [assembler.apply(delta) for delta in batch.outputs]
+        rebuilt = assembler.apply(batch.outputs)
         t4 = time.perf_counter()
-        assert [r.outputs for r in rebuilt] == [o.outputs for o in current]
+        assert sorted(rebuilt, key=by_id) == sorted(current, key=by_id)
         for key, seconds in (
             ("encode", t1 - t0),
             ("send+receive", t2 - t1),

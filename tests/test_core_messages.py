@@ -1,6 +1,6 @@
 """The engine-core protocol (issue #26): every message round-trips through msgspec, sampling
-params come back exactly (derived fields included), errors keep their type, and step deltas
-rebuild the very outputs the engine produced."""
+params come back exactly (derived fields included) and errors keep their type. That step deltas
+rebuild the engine's outputs is ``test_output_deltas``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import time
 
 import msgspec
 import pytest
-from server_utils import engine_config
 
 from platform_core.engine.core_messages import (
     COMMAND_DECODER,
@@ -33,6 +32,7 @@ from platform_core.engine.core_messages import (
     Rejection,
     RequestDelta,
     Shutdown,
+    StepDeltas,
     Submit,
     WireSamplingParams,
     error_from,
@@ -42,8 +42,6 @@ from platform_core.engine.core_messages import (
     request_from_wire,
     request_to_wire,
 )
-from platform_core.engine.llm_engine import LLMEngine
-from platform_core.engine.output_deltas import DeltaWriter, OutputAssembler
 from platform_core.engine.outputs import Logprob, RequestMetrics
 from platform_core.engine.request_stream import GenerateRequest
 from platform_core.errors import (
@@ -142,14 +140,23 @@ def test_every_event_round_trips():
         prompt_token_ids=[1, 2],
         prompt_logprobs=[None, {2: Logprob(-1.0, 3, None)}],
     )
+    step = StepDeltas(
+        ["r-2", "r-3"],
+        [2, 0],
+        [7, 8],
+        ["ab", ""],
+        [None, [{4: Logprob(-0.25, 2, None)}]],
+        [None, -1.5],
+        [delta],
+    )
     events = [
         CoreBatch(
             [1, 2],
             [Rejection(3, ErrorInfo("InvalidRequestError", "bad n", "n"))],
-            [delta],
+            step,
             {"num_steps": 5, "spec_acceptance_rate": 0.5},
         ),
-        CoreBatch([], [], [], None),
+        CoreBatch([], [], None, None),
         CoreStopped("the engine loop failed: RuntimeError('x')", failed=True),
     ]
     for event in events:
@@ -195,92 +202,3 @@ def test_an_unknown_error_kind_becomes_a_runtime_error_naming_it():
 
     back = error_from(error_info(WeirdError("odd")))
     assert type(back) is RuntimeError and str(back) == "WeirdError: odd"
-
-
-# ---------------------------------------------------------------- deltas -> cumulative outputs
-@pytest.fixture(scope="module")
-def llm_engine(text_model_dir):
-    return LLMEngine(engine_config(text_model_dir))
-
-
-def _run_through_deltas(engine: LLMEngine, requests: list[GenerateRequest], abort_after=None):
-    """Step ``engine`` over ``requests``; each output goes through writer, wire and assembler
-    and must come out equal to the engine's own (metrics included), at that very step."""
-    writer, assembler = DeltaWriter(), OutputAssembler()
-    for r in requests:
-        engine.add_request(r.request_id, r.prompt, r.params, r.prompt_token_ids)
-        writer.expect(r)
-        assembler.expect(r)
-    finals, steps = {}, 0
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        steps += 1
-        batch = CoreBatch([], [], [writer.delta(o) for o in outputs], None)
-        decoded = through_the_wire(batch, EVENT_DECODER)
-        for output, delta in zip(outputs, decoded.outputs):
-            rebuilt = assembler.apply(delta)
-            assert rebuilt == output, (rebuilt, output)
-            assert rebuilt.outputs is not output.outputs
-            if output.finished:
-                finals[output.request_id] = rebuilt
-        if abort_after is not None and steps == abort_after[1]:
-            engine.abort_request([abort_after[0]])
-            writer.forget([abort_after[0]])
-            assembler.forget([abort_after[0]])
-    assert len(writer) == len(assembler) == 0, "finished or aborted requests were kept"
-    return finals
-
-
-def test_deltas_rebuild_the_engines_outputs_exactly(llm_engine):
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
-    (plain,) = _run_through_deltas(
-        llm_engine, [GenerateRequest("probe", "The capital of", sampled)]
-    ).values()
-    text = plain.outputs[0].text
-    assert len(text) >= 6, text
-    stop = text[3:5]  # the seeded sample reaches it again, and stops there
-    requests = [
-        GenerateRequest("text-prompt", "The capital of", greedy),  # prompt ids come back once
-        GenerateRequest("ids", None, greedy, [5, 40, 17, 99]),
-        GenerateRequest(
-            "logprobs",
-            "A paged",
-            SamplingParams(max_tokens=9, logprobs=3, prompt_logprobs=2, seed=1),
-        ),
-        GenerateRequest(
-            "n3",
-            "Rome",
-            SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, logprobs=1, ignore_eos=True),
-        ),
-        GenerateRequest("stop", "The capital of", dataclasses.replace(sampled, stop=[stop])),
-        GenerateRequest(
-            "stop-kept",
-            "The capital of",
-            dataclasses.replace(sampled, stop=[stop], include_stop_str_in_output=True),
-        ),
-        GenerateRequest("aborted", None, SamplingParams(max_tokens=50, ignore_eos=True), [9, 8, 7]),
-    ]
-    finals = _run_through_deltas(llm_engine, requests, abort_after=("aborted", 3))
-    assert finals["text-prompt"].prompt_token_ids == plain.prompt_token_ids
-    assert finals["logprobs"].prompt_logprobs and finals["logprobs"].outputs[0].logprobs
-    assert len(finals["n3"].outputs) == 3
-    assert finals["stop"].outputs[0].finish_reason == "stop"
-    assert finals["stop"].outputs[0].text == text[:3]
-    assert finals["stop-kept"].outputs[0].text == text[:5]
-    assert "aborted" not in finals
-
-
-def test_a_text_that_changes_other_than_by_growing_is_sent_whole():
-    from platform_core.engine.outputs import CompletionOutput, RequestOutput
-
-    writer, assembler = DeltaWriter(), OutputAssembler()
-    request = GenerateRequest("r", "p", SamplingParams(), [1])
-    writer.expect(request)
-    assembler.expect(request)
-    for text, finished in (("abcdef", False), ("abXY", True)):
-        output = RequestOutput("r", "p", [1], [CompletionOutput(0, text, [1, 2])], finished)
-        delta = writer.delta(output)
-        batch = through_the_wire(CoreBatch([], [], [delta], None), EVENT_DECODER)
-        assert assembler.apply(batch.outputs[0]) == output
-    assert delta.completions[0].text_start == 0

@@ -24,7 +24,14 @@ from platform_core.engine.core_auth import (
     prove,
 )
 from platform_core.engine.core_client import CoreClient
-from platform_core.engine.core_messages import ENCODER, HANDSHAKE_DECODER, Hello, Proof, Refused
+from platform_core.engine.core_messages import (
+    ENCODER,
+    HANDSHAKE_DECODER,
+    PROTOCOL_VERSION,
+    Hello,
+    Proof,
+    Refused,
+)
 from platform_core.engine.process_engine import ProcessEngine
 from platform_core.errors import ConfigError
 
@@ -195,7 +202,7 @@ def test_fronts_and_engine_cores_refuse_each_other_without_the_secret(model_dir)
         context = zmq.Context()
         sock = context.socket(zmq.DEALER)
         sock.connect(core.addresses.events)
-        sock.send(ENCODER.encode(Hello(1, "impostor", new_nonce())))
+        sock.send(ENCODER.encode(Hello(PROTOCOL_VERSION, "impostor", new_nonce())))
         assert sock.poll(30_000)
         HANDSHAKE_DECODER.decode(sock.recv())
         sock.send(ENCODER.encode(Proof(b"x" * 32)))

@@ -60,7 +60,7 @@ from platform_core.engine.core_messages import (
     request_to_wire,
 )
 from platform_core.engine.core_process import CoreAddresses
-from platform_core.engine.output_deltas import OutputAssembler
+from platform_core.engine.output_assembly import OutputAssembler
 from platform_core.engine.request_stream import (
     GenerateRequest,
     RequestStream,
@@ -333,10 +333,8 @@ class CoreClient(SubmitFront):
                     for request_id in pending.requests:
                         del self._pending_of[request_id]
                     results.append((pending.sink, error_from(rejection.error)))
-            for delta in batch.outputs:
-                output = self._assembler.apply(delta)
-                if output is None:
-                    continue  # aborted meanwhile
+            step = batch.outputs
+            for output in [] if step is None else self._assembler.apply(step):
                 find = self._sinks.pop if output.finished else self._sinks.get
                 sink = find(output.request_id, None)
                 if sink is not None:

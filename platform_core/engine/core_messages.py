@@ -7,7 +7,8 @@ proof of the shared secret, ``core_auth``), answers with its own ``Proof``, and 
 different versions still read each other's and the version check can say what is wrong. Then
 the client sends ``ClientCommand``s (``Submit``, ``Abort``, ``Shutdown``) on the *commands*
 socket and reads ``CoreEvent``s on the events socket: a ``CoreBatch`` per loop iteration
-(acceptances, rejections with the typed error, output deltas, stats) and ``CoreStopped`` last.
+(acceptances, rejections with the typed error, the step's ``StepDeltas``, stats) and
+``CoreStopped`` last.
 These are tagged arrays: no field names on the wire, no pickling per request.
 
 ``SamplingParams`` travels as its constructor arguments (``WireSamplingParams``, made from the
@@ -30,7 +31,7 @@ from platform_core.engine.outputs import PositionLogprobs, RequestMetrics
 from platform_core.engine.request_stream import GenerateRequest
 from platform_core.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 _PARAM_TYPES = typing.get_type_hints(SamplingParams)
@@ -197,7 +198,7 @@ class CompletionDelta(msgspec.Struct, array_like=True, gc=False):
 
 
 class RequestDelta(msgspec.Struct, array_like=True, gc=False):
-    """A request's step: its samples' deltas and the fields that are not cumulative.
+    """A request's step in full: its samples' deltas and the fields that are not cumulative.
 
     ``prompt_token_ids`` comes once, when the client sent text; ``prompt_logprobs`` once;
     ``metrics`` when they changed (``None``: as before).
@@ -213,12 +214,34 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
+class StepDeltas(msgspec.Struct, array_like=True, gc=False):
+    """One step's outputs for one client: the usual requests in columns, the others in full.
+
+    A request is in the columns when only its one sample (index 0) grew, by tokens and
+    appended text (and logprobs), and nothing else changed: still running, no error, the same
+    metrics and cached tokens, nothing of the prompt left to send. Column ``i`` is request
+    ``request_ids[i]``: ``token_counts[i]`` new tokens, the next ones in the flat
+    ``token_ids``, ``texts[i]`` appended, its new ``logprobs[i]`` (``None``: it has none) and
+    ``cumulative_logprobs[i]``. Any other request is a ``RequestDelta`` in ``others``. A
+    request appears once per step.
+    """
+
+    request_ids: list[str]
+    token_counts: list[int]
+    token_ids: list[int]
+    texts: list[str]
+    logprobs: list[list[PositionLogprobs] | None]
+    cumulative_logprobs: list[float | None]
+    others: list[RequestDelta]
+
+
 class CoreBatch(msgspec.Struct, tag="batch", array_like=True):
-    """One loop iteration's results for one client; ``stats`` when they changed."""
+    """One loop iteration's results for one client: ``outputs`` when its requests had any,
+    ``stats`` when they changed."""
 
     accepted: list[int]
     rejected: list[Rejection]
-    outputs: list[RequestDelta]
+    outputs: StepDeltas | None
     stats: dict[str, Any] | None
 
 

@@ -77,6 +77,7 @@ from platform_core.engine.core_messages import (
 )
 from platform_core.engine.llm_engine import LLMEngine
 from platform_core.engine.output_deltas import DeltaWriter
+from platform_core.engine.outputs import RequestOutput
 from platform_core.engine.request_stream import GenerateRequest
 
 logger = logging.getLogger("platform_core.engine")
@@ -112,7 +113,7 @@ class _Client:
 
 
 def _batch() -> CoreBatch:
-    return CoreBatch([], [], [], None)
+    return CoreBatch([], [], None, None)
 
 
 class CoreServer:
@@ -322,6 +323,7 @@ class CoreServer:
         """One ``CoreBatch`` per client with results, and to every client when the stats
         changed."""
         batches: dict[bytes, CoreBatch] = {}
+        outputs: dict[bytes, list[RequestOutput]] = {}
         for owner, item in results:
             client = self._clients.get(owner.client)
             if client is None:
@@ -329,16 +331,17 @@ class CoreServer:
             batch = batches.get(owner.client)
             if batch is None:
                 batch = batches[owner.client] = _batch()
-            writer = client.writer
             if item is ACCEPTED:
                 batch.accepted.append(owner.submission_id)
                 for request in owner.requests:
-                    writer.expect(request)
+                    client.writer.expect(request)
                 owner.requests = []
             elif isinstance(item, BaseException):
                 batch.rejected.append(Rejection(owner.submission_id, error_info(item)))
             else:
-                batch.outputs.append(writer.delta(item))  # type: ignore[arg-type]
+                outputs.setdefault(owner.client, []).append(item)  # type: ignore[arg-type]
+        for identity, items in outputs.items():
+            batches[identity].outputs = self._clients[identity].writer.write(items)
         if stats is not None and stats != self._stats_sent:
             self._stats_sent = stats
             for identity in self._clients:

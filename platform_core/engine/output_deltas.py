@@ -1,24 +1,18 @@
-"""Cumulative ``RequestOutput``s to step deltas (in the engine core) and back (in the front).
+"""Cumulative ``RequestOutput``s to a step's deltas, in the engine core (``DeltaWriter``).
 
 The engine builds a cumulative output per request and step; sending it whole would cost
 quadratic bytes over a request's life. ``DeltaWriter`` remembers what it sent of each request
-and writes only what is new; ``OutputAssembler`` keeps the cumulative state on the other side and
-rebuilds outputs equal to the engine's, so code reading ``RequestOutput``s cannot tell the
-engine ran elsewhere. Each rebuilt output has its own lists (as the engine's do): a reader may
-keep an older output while newer ones arrive.
+and writes only what is new, one ``StepDeltas`` per step: the usual request (its one sample
+grew, nothing else changed) as entries in flat columns, any other as a full ``RequestDelta``.
+``output_assembly.OutputAssembler`` rebuilds the outputs on the other side.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from platform_core.engine.core_messages import CompletionDelta, RequestDelta
-from platform_core.engine.outputs import (
-    CompletionOutput,
-    PositionLogprobs,
-    RequestMetrics,
-    RequestOutput,
-)
+from platform_core.engine.core_messages import CompletionDelta, RequestDelta, StepDeltas
+from platform_core.engine.outputs import RequestMetrics, RequestOutput
 from platform_core.engine.request_stream import GenerateRequest
 
 
@@ -34,7 +28,29 @@ class _SentRequest:
     prompt_ids_due: bool  # the client sent text: the token ids go out with the first delta
     prompt_logprobs_due: bool = True
     metrics: tuple | None = None  # what the metrics were when last sent
+    num_cached_tokens: int = 0
     samples: dict[int, _SentSample] = field(default_factory=dict)
+    # Sample 0 when it is the only one sent (the receiver holds just that one), set by a full
+    # delta (which sent the prompt ids): a request whose step only extends it goes in the
+    # columns.
+    only: _SentSample | None = None
+
+
+# What an output of a request never expected is written against (it never goes in the columns).
+_UNTRACKED = _SentRequest(False)
+
+
+def _metrics_key(metrics: RequestMetrics | None) -> tuple | None:
+    """What of ``metrics`` changes while a request runs (``arrival_time`` does not)."""
+    if metrics is None:
+        return None
+    return (
+        metrics.scheduled_time,
+        metrics.first_token_time,
+        metrics.finished_time,
+        metrics.num_cached_tokens,
+        metrics.num_preemptions,
+    )
 
 
 class DeltaWriter:
@@ -47,14 +63,54 @@ class DeltaWriter:
         """Track ``request`` (accepted); its prompt ids go out once if the client sent text."""
         self._sent[request.request_id] = _SentRequest(request.prompt_token_ids is None)
 
-    def delta(self, output: RequestOutput) -> RequestDelta:
-        """What ``output`` adds to what was sent; a finished request is forgotten.
+    def write(self, outputs: list[RequestOutput]) -> StepDeltas:
+        """What ``outputs`` (one step's, one per request) add to what was sent; finished
+        requests are forgotten.
 
-        This runs for every running request in every step, in the engine core: one pass, no
-        helper calls (they showed in the per-step cost, ``benchmarks/engine_transport.py``).
+        This runs for every running request in every step, in the engine core: the usual
+        request is one pass of inline checks and appends, no helper calls but one (they show
+        in the per-step cost, ``benchmarks/engine_transport.py``).
         """
-        sent = self._sent.get(output.request_id)
-        if sent is None:
+        step = StepDeltas([], [], [], [], [], [], [])
+        request_ids, counts, token_ids = step.request_ids, step.token_counts, step.token_ids
+        texts, logprobs_of, cumulative = step.texts, step.logprobs, step.cumulative_logprobs
+        sent_of = self._sent
+        for output in outputs:
+            sent = sent_of.get(output.request_id, _UNTRACKED)
+            sample = sent.only
+            completions = output.outputs
+            if (
+                sample is not None
+                and len(completions) == 1
+                and (completion := completions[0]).index == 0
+                and completion.finish_reason is None
+                and completion.stop_reason is None
+                and completion.text.startswith(sample.text)
+                and not output.finished
+                and output.error is None
+                and output.num_cached_tokens == sent.num_cached_tokens
+                and (output.prompt_logprobs is None or not sent.prompt_logprobs_due)
+                and _metrics_key(output.metrics) in (None, sent.metrics)
+            ):
+                text, tokens, logprobs = completion.text, completion.token_ids, completion.logprobs
+                request_ids.append(output.request_id)
+                counts.append(len(tokens) - sample.tokens)
+                token_ids += tokens[sample.tokens :]
+                texts.append(text[len(sample.text) :])
+                if logprobs is None:
+                    logprobs_of.append(None)
+                else:
+                    logprobs_of.append(logprobs[sample.logprobs :])
+                    sample.logprobs = len(logprobs)
+                cumulative.append(completion.cumulative_logprob)
+                sample.tokens, sample.text = len(tokens), text
+                continue
+            step.others.append(self._delta(output, sent))
+        return step
+
+    def _delta(self, output: RequestOutput, sent: _SentRequest) -> RequestDelta:
+        """``output`` as a full delta against what was ``sent``."""
+        if sent is _UNTRACKED:
             sent = self._sent[output.request_id] = _SentRequest(False)
         samples = sent.samples
         completions = []
@@ -81,25 +137,20 @@ class DeltaWriter:
             sample.tokens, sample.text = len(tokens), text
             if logprobs is not None:
                 sample.logprobs = len(logprobs)
+        sent.only = samples.get(0) if len(samples) == 1 else None
         metrics = output.metrics
-        if metrics is not None:
-            key = (
-                metrics.scheduled_time,
-                metrics.first_token_time,
-                metrics.finished_time,
-                metrics.num_cached_tokens,
-                metrics.num_preemptions,
-            )
-            if key == sent.metrics:
-                metrics = None  # unchanged, as in most steps
-            else:
-                sent.metrics = key
+        key = _metrics_key(metrics)
+        if key is None or key == sent.metrics:
+            metrics = None  # unchanged, as in most steps
+        else:
+            sent.metrics = key
         prompt_ids = None
         if sent.prompt_ids_due:
             prompt_ids, sent.prompt_ids_due = output.prompt_token_ids, False
         prompt_logprobs = None
         if sent.prompt_logprobs_due and output.prompt_logprobs is not None:
             prompt_logprobs, sent.prompt_logprobs_due = output.prompt_logprobs, False
+        sent.num_cached_tokens = output.num_cached_tokens
         if output.finished:
             del self._sent[output.request_id]
         return RequestDelta(
@@ -120,83 +171,3 @@ class DeltaWriter:
 
     def __len__(self) -> int:
         return len(self._sent)
-
-
-@dataclass(slots=True)
-class _Received:
-    prompt: str | None
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    metrics: RequestMetrics | None = None
-    samples: dict[int, CompletionOutput] = field(default_factory=dict)
-
-
-class OutputAssembler:
-    """The front side: each request's cumulative output, rebuilt from its deltas."""
-
-    def __init__(self) -> None:
-        self._received: dict[str, _Received] = {}
-
-    def expect(self, request: GenerateRequest) -> None:
-        """Track ``request`` (accepted by the engine)."""
-        self._received[request.request_id] = _Received(
-            request.prompt, list(request.prompt_token_ids or [])
-        )
-
-    def apply(self, delta: RequestDelta) -> RequestOutput | None:
-        """The request's output after ``delta`` (``None`` for a request not tracked)."""
-        state = self._received.get(delta.request_id)
-        if state is None:
-            return None
-        if delta.prompt_token_ids is not None:
-            state.prompt_token_ids = delta.prompt_token_ids
-        if delta.prompt_logprobs is not None:
-            state.prompt_logprobs = delta.prompt_logprobs
-        if delta.metrics is not None:
-            state.metrics = delta.metrics
-        completions = []
-        for part in delta.completions:
-            completion = _extend(state.samples.get(part.index), part)
-            state.samples[part.index] = completion
-            completions.append(completion)
-        if delta.finished:
-            del self._received[delta.request_id]
-        return RequestOutput(
-            delta.request_id,
-            state.prompt,
-            state.prompt_token_ids,
-            completions,
-            delta.finished,
-            state.metrics,
-            state.prompt_logprobs,
-            delta.num_cached_tokens,
-            delta.error,
-        )
-
-    def forget(self, request_ids: list[str]) -> None:
-        """Stop tracking requests (aborted: nothing more comes for them)."""
-        for request_id in request_ids:
-            self._received.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._received)
-
-
-def _extend(before: CompletionOutput | None, part: CompletionDelta) -> CompletionOutput:
-    if before is None:
-        token_ids, text, logprobs = part.token_ids, part.text, part.logprobs
-    else:
-        token_ids = before.token_ids + part.token_ids
-        text = before.text[: part.text_start] + part.text
-        logprobs = part.logprobs
-        if logprobs is not None and before.logprobs:
-            logprobs = before.logprobs + logprobs
-    return CompletionOutput(
-        part.index,
-        text,
-        token_ids,
-        part.finish_reason,
-        part.stop_reason,
-        logprobs,
-        part.cumulative_logprob,
-    )
