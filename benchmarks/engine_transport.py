@@ -9,8 +9,10 @@ two steps' outputs go through the protocol ``--iters`` times, timed part by part
 - encode: ``DeltaWriter.write`` (what is new since the previous step, as the core's
   ``CoreServer.deliver`` writes it from the step's outputs: the usual request in the columns of
   ``StepDeltas``, any other as a full ``RequestDelta``) and the msgpack encoding;
-- send + receive: ZMQ over ``ipc://`` (ROUTER to DEALER, the sockets ``serve`` uses), both
-  ends in this process, so no scheduler hop is counted;
+- send, in flight, receive: ZMQ over ``ipc://`` (ROUTER to DEALER, the sockets ``serve``
+  uses), both ends in this process, so no scheduler hop is counted; the send and receive calls
+  are the ends' own work, the time in flight is ZMQ's I/O threads (latency, which holds up
+  neither end's loop);
 - decode: msgpack back into the message structs;
 - rebuild: the front's ``OutputAssembler`` making the cumulative ``RequestOutput``s (on the
   front's side of the GIL split, not the core's), checked equal to the engine's.
@@ -142,6 +144,9 @@ def time_transport(previous: list, current: list, requests: list, iters: int) ->
         payload = ENCODER.encode(CoreBatch([], [], writer.write(current), None))
         t1 = time.perf_counter()
         core.send_multipart([identity, payload], copy=False)
+        sent = time.perf_counter()
+        front.poll()
+        arrived = time.perf_counter()
         message = front.recv(copy=False)
         t2 = time.perf_counter()
         batch = EVENT_DECODER.decode(message.buffer)
@@ -151,10 +156,15 @@ def time_transport(previous: list, current: list, requests: list, iters: int) ->
         assert sorted(rebuilt, key=by_id) == sorted(current, key=by_id)
         for key, seconds in (
             ("encode", t1 - t0),
-            ("send+receive", t2 - t1),
+            ("send", sent - t1),
+            ("in flight", arrived - sent),
+            ("receive", t2 - arrived),
             ("decode", t3 - t2),
             ("rebuild", t4 - t3),
-            ("encode+send+receive+decode", t3 - t0),
+            ("core: encode+send", sent - t0),
+            ("front: receive+decode", t3 - arrived),
+            ("both ends: encode+send+receive+decode", sent - t0 + t3 - arrived),
+            ("wall, send to decoded (in flight included)", t3 - t0),
         ):
             parts[key].append(seconds)
         size = len(payload)
