@@ -1,9 +1,10 @@
 """Compare the CPU backend's attention paths: compiled kernel, torch fallback, reference.
 
 Usage: ``python benchmarks/cpu_attention.py [--threads N] [--block-size 16] [--repeats 5]
-[--dtype bfloat16|float32]`` (with ``platform_core`` and ``platform_core_cpu`` importable). Four
+[--dtype bfloat16|float32]`` (with ``platform_core`` and ``platform_core_cpu`` importable). Five
 workloads, head size 64 with 8 query / 4 KV heads: decode batches (32 sequences of 512 tokens;
-64 of 40-607), one 512-token prefill, and two prefill chunks beside 60 decodes. Block tables are
+64 of 40-607), one 512-token prefill, two prefill chunks beside 60 decodes, and the last
+2048-token chunk of a 4096-token prompt. Block tables are
 shuffled so blocks are scattered in the cache. The first build of the compiled kernel is timed
 separately (it is cached across runs).
 """
@@ -28,6 +29,7 @@ WORKLOADS = {
     "decode 64 x ctx 40-607": [(40 + 9 * i, 1) for i in range(64)],
     "prefill 512": [(512, 512)],
     "2 prefills + 60 decodes": [(300, 200), (500, 256)] + [(40 + 9 * i, 1) for i in range(60)],
+    "prefill chunk 2048 of 4096": [(4096, 2048)],
 }
 
 

@@ -143,10 +143,9 @@ def _log_linear_path(path: str, isa: CpuIsa) -> None:
 
 def describe_paths(isa: CpuIsa) -> tuple[str, ...]:
     """What this CPU runs, for ``platform-core backends`` (from its features, building nothing)."""
+    bf16_math = "bf16 attention: key and value pairs widened to fp32 in registers"
     if isa.at_least("avx512_bf16"):
-        bf16_math = "bf16 attention and one-row linears: AVX512-BF16 dot products"
-    else:
-        bf16_math = "bf16 attention: pairs widened to fp32 in registers (no AVX512-BF16)"
+        bf16_math += "; one-row bf16 linears: AVX512-BF16 dot products"
     if isa.onednn_bf16:
         amx = " with AMX" if "amx_bf16" in isa.flags and not isa.forced else ""
         linears = f"bf16 linears: oneDNN on packed weights{amx}"

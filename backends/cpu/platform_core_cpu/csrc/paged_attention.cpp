@@ -6,9 +6,10 @@
 // that both products vectorize without horizontal sums (block_size and head_size are even):
 //   keys   [head_size / 2][block_size][2]: kLanes pairs are one dimension pair of kLanes keys,
 //   values [block_size / 2][head_size][2]: kLanes pairs are kLanes dimensions of a key pair.
-// On CPUs with AVX512-BF16 a bf16 cache multiplies those pairs directly (vdpbf16ps); the other
-// paths split key pairs into even and odd fp32 lanes. An fp32 cache keeps value pairs as stored:
-// each row accumulates even and odd keys side by side and adds the two at the end.
+// A bf16 cache splits pairs into even and odd fp32 lanes (two integer operations); that beat
+// AVX512-BF16's vdpbf16ps, which also rounds probabilities to bf16, on every workload of
+// benchmarks/cpu_attention.py. An fp32 cache keeps value pairs as stored: each row accumulates
+// even and odd keys side by side and adds the two at the end.
 
 #include "cpu_kernels.h"
 #include "vec_math.h"
@@ -54,10 +55,6 @@ struct WorkItem {
   int64_t seq, kv_head, kv_head_end, q_begin, q_end;
 };
 
-// bf16 pair products in hardware (vdpbf16ps) for a bf16 cache on CPUs with AVX512-BF16.
-template <typename T>
-constexpr bool kBf16Dots = kHasBf16Dot && std::is_same_v<T, c10::BFloat16>;
-
 // Element bits as load_pairs reads them: fp32 as is, bf16 as raw 16-bit patterns.
 inline const float* raw(const float* p) { return p; }
 inline const uint16_t* raw(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
@@ -72,22 +69,18 @@ int64_t acc_stride(const Geometry& g) {
   return round_up(kPairSums<T> ? 2 * g.head_size : g.head_size, kLanes);
 }
 
-// Per-thread buffers: query rows (fp32, or raw bf16 for the bf16 dots), their accumulators,
-// scores of one row chunk against a block, and one row's probabilities as bf16 pairs.
+// Per-thread buffers: query rows (fp32), their accumulators, and scores of one row chunk
+// against a block.
 struct Scratch {
   std::vector<float> q, acc, scores, row_max, row_sum;
-  std::vector<uint16_t> q16;
-  std::vector<uint32_t> prob_pairs;
   int64_t score_stride, acc_stride;
   Scratch(const Geometry& g, int64_t max_rows, int64_t acc_floats)
       : q(max_rows * g.head_size),
         acc(max_rows * acc_floats),
-        scores(kChunkRows * round_up(g.block_size, 2 * kLanes), 0.0f),
+        scores(kChunkRows * round_up(g.block_size, kLanes), 0.0f),
         row_max(max_rows),
         row_sum(max_rows),
-        q16(max_rows * g.head_size),
-        prob_pairs(round_up(g.block_size, 2 * kLanes) / 2),
-        score_stride(round_up(g.block_size, 2 * kLanes)),
+        score_stride(round_up(g.block_size, kLanes)),
         acc_stride(acc_floats) {}
 };
 
@@ -98,36 +91,23 @@ void score_chunk(int64_t first, const T* keys, int64_t count, const Geometry& g,
   const int64_t pairs = g.head_size / 2;
   for (int64_t j = 0; j < count; j += kLanes) {
     const int64_t lanes = std::min(kLanes, g.block_size - j);
-    vecf dots[R];
-    if constexpr (kBf16Dots<T>) {
-#if defined(__AVX512BF16__)
-      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-      const auto* q = reinterpret_cast<const int32_t*>(s.q16.data() + first * g.head_size);
-      __m512 acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < pairs; ++p) {
-        const __m512bh k =
-            (__m512bh)_mm512_maskz_loadu_epi32(mask, raw(keys) + 2 * (p * g.block_size + j));
-        for (int r = 0; r < R; ++r) {
-          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(q[r * pairs + p]), k);
-        }
-      }
-      for (int r = 0; r < R; ++r) std::memcpy(&dots[r], &acc[r], sizeof(vecf));
-#endif
-    } else {
-      const float* q = s.q.data() + first * g.head_size;
-      for (int r = 0; r < R; ++r) dots[r] = vecf{};
-      for (int64_t p = 0; p < pairs; ++p) {
-        vecf even, odd;
-        load_pairs(raw(keys) + 2 * (p * g.block_size + j), lanes, even, odd);
-        // Two accumulations, not one of a sum: two FMAs instead of a multiply, FMA and add.
-        for (int r = 0; r < R; ++r) {
-          dots[r] += q[r * g.head_size + 2 * p] * even;
-          dots[r] += q[r * g.head_size + 2 * p + 1] * odd;
-        }
+    // Few rows keep even and odd dimensions apart: twice the FMA chains in flight.
+    constexpr int kSums = R <= kChunkRows / 2 ? 2 : 1;
+    const float* q = s.q.data() + first * g.head_size;
+    vecf sums[kSums][R] = {};
+    for (int64_t p = 0; p < pairs; ++p) {
+      vecf even, odd;
+      load_pairs(raw(keys) + 2 * (p * g.block_size + j), lanes, even, odd);
+      // Two accumulations, not one of a sum: two FMAs instead of a multiply, FMA and add.
+      for (int r = 0; r < R; ++r) {
+        sums[0][r] += q[r * g.head_size + 2 * p] * even;
+        sums[kSums - 1][r] += q[r * g.head_size + 2 * p + 1] * odd;
       }
     }
-    for (int r = 0; r < R; ++r) storev(s.scores.data() + r * s.score_stride + j, dots[r] * g.scale);
+    for (int r = 0; r < R; ++r) {
+      const vecf dots = kSums == 2 ? sums[0][r] + sums[1][r] : sums[0][r];
+      storev(s.scores.data() + r * s.score_stride + j, dots * g.scale);
+    }
   }
 }
 
@@ -148,19 +128,40 @@ void score_rows(int64_t first, int64_t rows, const T* keys, int64_t count, const
 
 // acc = acc * decay + sum_j p[j] * values[j] over key pairs [0, pairs) of a bf16 value tile,
 // split into fp32 lanes; p is fp32 (p[2 * pairs - 1] must exist, zero past the row's keys).
+// Even and odd keys of W vectors of dims accumulate apart: 2 * W independent FMA chains, where
+// one chain per vector would wait on the FMA latency at every key.
+template <typename T, int W>
+void accumulate_value_columns(float* acc, float decay, const float* p, int64_t pairs,
+                              const T* values, int64_t c, const Geometry& g) {
+  const int64_t lanes = std::min(kLanes, g.head_size - c - (W - 1) * kLanes);
+  vecf even_sum[W], odd_sum[W];
+  for (int k = 0; k < W; ++k) {
+    even_sum[k] = loadv(acc + c + k * kLanes) * decay;
+    odd_sum[k] = vecf{};
+  }
+  for (int64_t i = 0; i < pairs; ++i) {
+    const float pe = p[2 * i], po = p[2 * i + 1];
+    for (int k = 0; k < W; ++k) {
+      vecf even, odd;
+      load_pairs(raw(values) + 2 * (i * g.head_size + c + k * kLanes),
+                 k == W - 1 ? lanes : kLanes, even, odd);
+      even_sum[k] += pe * even;
+      odd_sum[k] += po * odd;
+    }
+  }
+  for (int k = 0; k < W; ++k) storev(acc + c + k * kLanes, even_sum[k] + odd_sum[k]);
+}
+
 template <typename T>
 void accumulate_values(float* acc, float decay, const float* p, int64_t pairs, const T* values,
                        const Geometry& g) {
-  for (int64_t c = 0; c < g.head_size; c += kLanes) {
-    const int64_t lanes = std::min(kLanes, g.head_size - c);
-    vecf a = loadv(acc + c) * decay;
-    for (int64_t i = 0; i < pairs; ++i) {
-      vecf even, odd;
-      load_pairs(raw(values) + 2 * (i * g.head_size + c), lanes, even, odd);
-      a += p[2 * i] * even;  // two FMAs (see score_chunk)
-      a += p[2 * i + 1] * odd;
-    }
-    storev(acc + c, a);
+  constexpr int kWidth = 4;  // vectors of dims per pass: 8 accumulators fit AVX2's registers
+  int64_t c = 0;
+  for (; c + kWidth * kLanes <= g.head_size; c += kWidth * kLanes) {
+    accumulate_value_columns<T, kWidth>(acc, decay, p, pairs, values, c, g);
+  }
+  for (; c < g.head_size; c += kLanes) {
+    accumulate_value_columns<T, 1>(acc, decay, p, pairs, values, c, g);
   }
 }
 
@@ -181,20 +182,21 @@ inline vecf load_first(const float* src, int64_t lanes) {
 
 // The same for an fp32 value tile without splitting pairs: acc holds 2 * head_size pair sums
 // (dimension d of even keys at 2d, of odd keys at 2d + 1), each a stored pair times the pair of
-// probabilities; four vectors of sums at a time share a probability broadcast.
+// probabilities; eight vectors of sums at a time (eight FMA chains) share a broadcast.
 void accumulate_value_pairs(float* acc, float decay, const float* p, int64_t pairs,
                             const float* values, const Geometry& g) {
+  constexpr int kWidth = 8;
   const int64_t width = 2 * g.head_size;
   int64_t c = 0;
-  for (; c + 4 * kLanes <= width; c += 4 * kLanes) {
-    vecf a[4];
-    for (int k = 0; k < 4; ++k) a[k] = loadv(acc + c + k * kLanes) * decay;
+  for (; c + kWidth * kLanes <= width; c += kWidth * kLanes) {
+    vecf a[kWidth];
+    for (int k = 0; k < kWidth; ++k) a[k] = loadv(acc + c + k * kLanes) * decay;
     for (int64_t i = 0; i < pairs; ++i) {
       const vecf w = splat_pair(p + 2 * i);
       const float* v = values + i * width + c;
-      for (int k = 0; k < 4; ++k) a[k] += w * loadv(v + k * kLanes);
+      for (int k = 0; k < kWidth; ++k) a[k] += w * loadv(v + k * kLanes);
     }
-    for (int k = 0; k < 4; ++k) storev(acc + c + k * kLanes, a[k]);
+    for (int k = 0; k < kWidth; ++k) storev(acc + c + k * kLanes, a[k]);
   }
   for (; c < width; c += kLanes) {
     const int64_t lanes = std::min(kLanes, width - c);
@@ -205,38 +207,6 @@ void accumulate_value_pairs(float* acc, float decay, const float* p, int64_t pai
     storev(acc + c, a);
   }
 }
-
-#if defined(__AVX512BF16__)
-// The same with bf16 probability pairs multiplied in hardware, four vectors of dims at a time.
-void accumulate_values_bf16(float* acc, float decay, const uint32_t* p, int64_t pairs,
-                            const uint16_t* values, const Geometry& g) {
-  const __m512 scale = _mm512_set1_ps(decay);
-  int64_t c = 0;
-  for (; c + 4 * kLanes <= g.head_size; c += 4 * kLanes) {
-    __m512 a[4];
-    for (int k = 0; k < 4; ++k) a[k] = _mm512_mul_ps(_mm512_loadu_ps(acc + c + k * kLanes), scale);
-    for (int64_t i = 0; i < pairs; ++i) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[i]));
-      const uint16_t* v = values + 2 * (i * g.head_size + c);
-      for (int k = 0; k < 4; ++k) {
-        a[k] = _mm512_dpbf16_ps(a[k], w, (__m512bh)_mm512_loadu_si512(v + 2 * k * kLanes));
-      }
-    }
-    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + c + k * kLanes, a[k]);
-  }
-  for (; c < g.head_size; c += kLanes) {
-    const int64_t lanes = std::min(kLanes, g.head_size - c);
-    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + c), scale);
-    for (int64_t i = 0; i < pairs; ++i) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[i]));
-      a = _mm512_dpbf16_ps(
-          a, w, (__m512bh)_mm512_maskz_loadu_epi32(mask, values + 2 * (i * g.head_size + c)));
-    }
-    _mm512_storeu_ps(acc + c, a);
-  }
-}
-#endif
 
 // Folds keys [0, count) of a block, scored in `scores`, into row r's running max, sum and
 // output (the values tile `values`).
@@ -250,11 +220,10 @@ void attend_block(int64_t r, int64_t count, float* scores, const T* values, cons
   }
   const float new_max = std::max(s.row_max[r], hmax(block_max));
   const float decay = expv(splat(s.row_max[r] - new_max))[0];  // ~0 on the row's first block
-  // Probabilities up to a multiple of 2 * kLanes keys, zero past `count`: whole pairs and
-  // bf16 vectors.
-  const int64_t padded = round_up(count, 2 * kLanes);
+  // Probabilities, zero past `count` to the end of its vector: an odd count's last pair is
+  // whole (kLanes is even).
   vecf block_sum = {};
-  for (int64_t j = 0; j < padded; j += kLanes) {
+  for (int64_t j = 0; j < count; j += kLanes) {
     const vecf p = keep_first(expv(loadv(scores + j) - new_max), count - j, 0.0f);
     storev(scores + j, p);
     block_sum += p;
@@ -263,16 +232,7 @@ void attend_block(int64_t r, int64_t count, float* scores, const T* values, cons
   s.row_max[r] = new_max;
   float* acc = s.acc.data() + r * s.acc_stride;
   const int64_t pairs = (count + 1) / 2;
-  if constexpr (kBf16Dots<T>) {
-#if defined(__AVX512BF16__)
-    for (int64_t j = 0; j < padded; j += 2 * kLanes) {
-      const __m512bh both =
-          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(scores + j + kLanes), _mm512_loadu_ps(scores + j));
-      _mm512_storeu_si512(s.prob_pairs.data() + j / 2, (__m512i)both);
-    }
-    accumulate_values_bf16(acc, decay, s.prob_pairs.data(), pairs, raw(values), g);
-#endif
-  } else if constexpr (kPairSums<T>) {
+  if constexpr (kPairSums<T>) {
     accumulate_value_pairs(acc, decay, scores, pairs, values, g);
   } else {
     accumulate_values(acc, decay, scores, pairs, values, g);
@@ -321,12 +281,8 @@ void run_item(const WorkItem& item, const Geometry& g, const Batch<T>& b, Scratc
   const int64_t rows = heads * map.rows_per_head;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = b.query + map.token(r) * g.q_token_stride + map.head(r) * g.q_head_stride;
-    if constexpr (kBf16Dots<T>) {
-      std::memcpy(s.q16.data() + r * g.head_size, src, g.head_size * sizeof(T));
-    } else {
-      float* q = s.q.data() + r * g.head_size;
-      for (int64_t d = 0; d < g.head_size; ++d) q[d] = to_float(src[d]);
-    }
+    float* q = s.q.data() + r * g.head_size;
+    for (int64_t d = 0; d < g.head_size; ++d) q[d] = to_float(src[d]);
     std::fill_n(s.acc.data() + r * s.acc_stride, s.acc_stride, 0.0f);
     s.row_max[r] = -std::numeric_limits<float>::infinity();
     s.row_sum[r] = 0.0f;
