@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import time
 from unittest import mock
 
@@ -246,3 +247,17 @@ def test_loopback_config_is_validated_and_stays_on_loopback() -> None:
             LoopbackGroupConfig(**bad)
     with pytest.raises(ConfigError, match="rank"):
         init_loopback_process_group(config, rank=2)
+
+
+def test_node_group_config_is_validated_and_finds_the_interface_to_its_host() -> None:
+    from platform_core.distributed.launch import NodeGroupConfig, interface_towards
+
+    for bad in (
+        {"world_size": 2, "host": "", "port": 1234},
+        {"world_size": 0, "host": "10.0.0.1", "port": 1234},
+        {"world_size": 2, "host": "10.0.0.1", "port": 70000},
+    ):
+        with pytest.raises(ConfigError):
+            NodeGroupConfig(**bad)
+    loopback = {name for _, name in socket.if_nameindex()} & {"lo", "lo0"}
+    assert interface_towards("127.0.0.2") in loopback  # any 127/8 host is reached by loopback

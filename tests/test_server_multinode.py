@@ -4,48 +4,26 @@ served end to end over tcp, a wrong secret refused, the engine host's death a cl
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 
 import pytest
+from netns import host_pair, in_namespace
 from server_utils import ENGINE_KEYS, SERVE
 
-SUBNET = f"10.231.{os.getpid() % 200 + 20}"
-FRONT_IP, ENGINE_IP = f"{SUBNET}.1", f"{SUBNET}.2"
 RPC_PORT, HTTP_PORT = 13345, 18000
 ENGINE_FLAGS = [f"--{key.replace('_', '-')}={value}" for key, value in ENGINE_KEYS.items()]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 @pytest.fixture(scope="module")
-def namespaces():
-    tag = os.getpid() % 100000
-    front, engine = f"pcf{tag}", f"pce{tag}"
-    try:
-        _ip("netns", "add", front)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"'ip netns' is not permitted here: {getattr(exc, 'stderr', exc)}")
-    try:
-        _ip("netns", "add", engine)
-        _ip("link", "add", f"vf{tag}", "type", "veth", "peer", "name", f"ve{tag}")
-        for ns, dev, address in ((front, f"vf{tag}", FRONT_IP), (engine, f"ve{tag}", ENGINE_IP)):
-            _ip("link", "set", dev, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield front, engine
-    finally:
-        for ns in (front, engine):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+def hosts():
+    with host_pair("pc", 231) as pair:
+        yield pair
 
 
 def _serve(ns: str, log, *flags: str) -> subprocess.Popen:
-    command = ["ip", "netns", "exec", ns, sys.executable, "-c", SERVE.format(prelude=""), "serve"]
+    command = in_namespace(ns, sys.executable, "-c", SERVE.format(prelude=""), "serve")
     return subprocess.Popen(
         [*command, *ENGINE_FLAGS, *flags], stdout=subprocess.DEVNULL, stderr=log.open("w")
     )
@@ -86,7 +64,7 @@ else:
 
 
 def _client_command(ns: str, what: str, *args: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, what, str(HTTP_PORT), *args]
+    return in_namespace(ns, sys.executable, "-c", CLIENT, what, str(HTTP_PORT), *args)
 
 
 def _client(ns: str, *args: str, timeout: float = 300) -> str:
@@ -95,9 +73,9 @@ def _client(ns: str, *args: str, timeout: float = 300) -> str:
 
 
 def test_a_front_serves_through_a_headless_engine_host_in_another_namespace(
-    namespaces, model_dir, tmp_path
+    hosts, model_dir, tmp_path
 ):
-    front_ns, engine_ns = namespaces
+    front_ns, engine_ns = hosts.first, hosts.second
     (tmp_path / "secret").write_text("the-shared-secret\n")
     (tmp_path / "wrong").write_text("not-the-secret\n")
     front_flags = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(HTTP_PORT)]
@@ -109,12 +87,12 @@ def test_a_front_serves_through_a_headless_engine_host_in_another_namespace(
         *dp,
         "--data-parallel-size-local=0",
         "--data-parallel-address",
-        FRONT_IP,
+        hosts.first_ip,
         "--engine-secret-file",
         str(tmp_path / "secret"),
     )
     engine_flags = ["--model", str(model_dir), "--headless", *dp]
-    engine_flags += ["--data-parallel-address", FRONT_IP]
+    engine_flags += ["--data-parallel-address", hosts.first_ip]
     processes = [front]
     try:
         impostor = _serve(

@@ -1,4 +1,4 @@
-"""Start a gloo process group confined to the loopback interface (tests, the CPU backend).
+"""Start a gloo process group: on the loopback interface (one machine), or across machines.
 
 The parent picks a free port with :func:`find_free_port` and hands every rank the same
 :class:`LoopbackGroupConfig`; each rank then calls :func:`init_loopback_process_group`. Nothing
@@ -6,6 +6,11 @@ listens on or connects to any address but 127.0.0.1. That is why the rendezvous 
 here rather than from a ``tcp://127.0.0.1:PORT`` init method: the store behind such a URL listens
 on every interface whatever host it names, so rank 0 binds the port on loopback itself and hands
 the listening socket to the store. gloo's own connections are pinned to the loopback interface.
+
+Ranks on several machines (Ray placing tensor-parallel ranks across nodes) use a
+:class:`NodeGroupConfig` and :func:`init_node_process_group` instead: rank 0 hosts the store on one
+of its own addresses that every rank reaches, and each rank runs gloo over the interface its route
+to that address leaves by. Nothing listens on any other interface.
 
 Rank 0 can watch the others while it waits for them (``while_waiting``: a parent that started
 the other ranks raises there the moment one of them dies). It never blocks inside the store:
@@ -18,8 +23,10 @@ out, and leaves a group it formed after all.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -34,16 +41,27 @@ LOOPBACK_HOST = "127.0.0.1"
 _LOOPBACK_INTERFACES = ("lo", "lo0")  # Linux, macOS/BSD
 _JOINED_KEY = "platform_core/ranks_joined"
 _JOIN_POLL_S = 0.05
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it; binding port 0).
+def find_free_port(host: str = LOOPBACK_HOST) -> int:
+    """A TCP port on ``host`` (127.0.0.1 by default) that was free a moment ago (the OS picks it;
+    binding port 0).
 
     Another process may take it before the group starts; callers that must never race retry.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOOPBACK_HOST, 0))
+        probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def _check_group_shape(world_size: int, port: int, timeout_s: float) -> None:
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if not 0 < port < 65536:
+        raise ConfigError(f"port must be in [1, 65535], got {port}")
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +76,26 @@ class LoopbackGroupConfig:
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
-        if not 0 < self.port < 65536:
-            raise ConfigError(f"port must be in [1, 65535], got {self.port}")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        _check_group_shape(self.world_size, self.port, self.timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeGroupConfig:
+    """What every rank of a gloo group spanning machines must agree on; picklable.
+
+    Rank 0 hosts the rendezvous store on ``host:port``: ``host`` is an IPv4 address of rank 0's
+    machine that every rank reaches (a Ray node address, say).
+    """
+
+    world_size: int
+    host: str
+    port: int
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check_group_shape(self.world_size, self.port, self.timeout_s)
+        if not self.host:
+            raise ConfigError("host must name rank 0's address")
 
 
 def init_loopback_process_group(
@@ -85,18 +117,45 @@ def init_loopback_process_group(
     value, so this group and any subgroup created later stay on loopback. Tear down with
     ``torch.distributed.destroy_process_group()``.
     """
+    _join_group(config, LOOPBACK_HOST, _loopback_interface(), rank, backend, while_waiting)
+
+
+def init_node_process_group(
+    config: NodeGroupConfig,
+    rank: int,
+    backend: str = "gloo",
+    while_waiting: Callable[[], None] | None = None,
+) -> None:
+    """Join the group ``config`` describes as ``rank``, from whichever machine this rank is on.
+
+    As :func:`init_loopback_process_group`, except that the store is on ``config.host`` and
+    ``GLOO_SOCKET_IFNAME`` names the interface this machine reaches ``config.host`` by (the
+    loopback one on rank 0's machine when ``host`` is a loopback address).
+    """
+    interface = interface_towards(config.host)
+    _join_group(config, config.host, interface, rank, backend, while_waiting)
+
+
+def _join_group(
+    config: LoopbackGroupConfig | NodeGroupConfig,
+    host: str,
+    interface: str,
+    rank: int,
+    backend: str,
+    while_waiting: Callable[[], None] | None,
+) -> None:
     if not 0 <= rank < config.world_size:
         raise ConfigError(f"rank must be in [0, {config.world_size}), got {rank}")
-    os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
     timeout = timedelta(seconds=config.timeout_s)
     listen_fd = None
     if rank == 0:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-            server.bind((LOOPBACK_HOST, config.port))
+            server.bind((host, config.port))
             server.listen()
             listen_fd = server.detach()  # the store now owns (and closes) the socket
     store = dist.TCPStore(
-        LOOPBACK_HOST,
+        host,
         config.port,
         world_size=config.world_size,
         is_master=rank == 0,
@@ -116,7 +175,7 @@ def init_loopback_process_group(
     if rank != 0:
         join()
         return
-    _wait_for_ranks(store, config, while_waiting)
+    _wait_for_ranks(store, config, host, while_waiting)
     if while_waiting is None:
         join()
     else:
@@ -124,7 +183,10 @@ def init_loopback_process_group(
 
 
 def _wait_for_ranks(
-    store: dist.Store, config: LoopbackGroupConfig, while_waiting: Callable[[], None] | None
+    store: dist.Store,
+    config: LoopbackGroupConfig | NodeGroupConfig,
+    host: str,
+    while_waiting: Callable[[], None] | None,
 ) -> None:
     """Until every rank has counted itself in under ``_JOINED_KEY``, or ``timeout_s`` passes."""
     deadline = time.monotonic() + config.timeout_s
@@ -134,7 +196,7 @@ def _wait_for_ranks(
         if time.monotonic() > deadline:
             raise ProcessStartError(
                 f"{joined} of {config.world_size} ranks joined the group on "
-                f"{LOOPBACK_HOST}:{config.port} in {config.timeout_s:g} s"
+                f"{host}:{config.port} in {config.timeout_s:g} s"
             )
         time.sleep(_JOIN_POLL_S)
 
@@ -185,3 +247,32 @@ def _loopback_interface() -> str:
         f"no loopback network interface found (looked for {_LOOPBACK_INTERFACES}; "
         f"have {sorted(names)})"
     )
+
+
+def interface_towards(host: str) -> str:
+    """Name of the network interface this machine reaches ``host`` (IPv4) by (Linux)."""
+    address = socket.gethostbyname(host)
+    if ipaddress.ip_address(address).is_loopback:
+        return _loopback_interface()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))  # connecting a UDP socket sends nothing; it picks the route
+        local = probe.getsockname()[0]
+    for _, name in socket.if_nameindex():
+        if _ipv4_address(name) == local:
+            return name
+    raise ProcessStartError(
+        f"no network interface has {local}, the address this machine reaches {host} from"
+    )
+
+
+def _ipv4_address(interface: str) -> str | None:
+    """The IPv4 address of ``interface``, or None where it has none."""
+    import fcntl  # POSIX only; a group across machines is supported on Linux
+
+    request = struct.pack("256s", interface.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            reply = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+        except OSError:
+            return None
+    return socket.inet_ntoa(reply[20:24])

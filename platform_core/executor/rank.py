@@ -7,7 +7,12 @@ from collections.abc import Callable
 
 import torch
 
-from platform_core.distributed.launch import LoopbackGroupConfig, init_loopback_process_group
+from platform_core.distributed.launch import (
+    LoopbackGroupConfig,
+    NodeGroupConfig,
+    init_loopback_process_group,
+    init_node_process_group,
+)
 from platform_core.executor.base import ModelSpec
 from platform_core.plugins.manager import PluginManager
 from platform_core.worker.model_runner import ModelRunner
@@ -15,15 +20,15 @@ from platform_core.worker.model_runner import ModelRunner
 
 def build_rank_runner(
     spec: ModelSpec,
-    group: LoopbackGroupConfig,
+    group: LoopbackGroupConfig | NodeGroupConfig,
     rank: int,
     while_waiting: Callable[[], None] | None = None,
 ) -> ModelRunner:
     """Join the group as ``rank`` and load this rank's shard of the model.
 
     Blocks until every rank has joined (rank 0 calls ``while_waiting`` meanwhile, see
-    ``init_loopback_process_group``). The backend is created by name (the driver already chose
-    it), so all ranks run the same backend.
+    ``init_loopback_process_group``); a ``NodeGroupConfig`` joins across machines. The backend
+    is created by name (the driver already chose it), so all ranks run the same backend.
     """
     from platform_core.distributed.parallel_state import TPGroup
 
@@ -31,7 +36,10 @@ def build_rank_runner(
     if backend.device.type == "cpu":
         # Ranks share the machine's cores; oversubscribing them slows every matmul.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
-    init_loopback_process_group(group, rank, backend.process_group_backend, while_waiting)
+    if isinstance(group, NodeGroupConfig):
+        init_node_process_group(group, rank, backend.process_group_backend, while_waiting)
+    else:
+        init_loopback_process_group(group, rank, backend.process_group_backend, while_waiting)
     tp = TPGroup(rank=rank, size=group.world_size, communicator=backend.communicator(None))
     return ModelRunner(
         spec.config,

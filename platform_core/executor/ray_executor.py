@@ -1,10 +1,12 @@
 """Tensor-parallel ranks as Ray actors placed by a placement group.
 
-``ray_address`` joins an existing cluster (``ray start --head ...``); without it a local cluster is
-started on a loopback node address (Ray rewrites 127.0.0.1 to the machine's interface address,
-so 127.0.0.2 is used unless ``PLATFORM_CORE_RAY_NODE_IP`` says otherwise). The ranks meet in a
-process group rooted at the driver; this version expects the ranks on the driver's machine
-(single-node placement, ``STRICT_PACK``), which is what the loopback rendezvous allows.
+``ray_address`` joins an existing cluster (``ray start --head ...``, nodes joined with
+``ray start --address ...``); without it a local cluster is started on a loopback node address
+(Ray rewrites 127.0.0.1 to the machine's interface address, so 127.0.0.2 is used unless
+``PLATFORM_CORE_RAY_NODE_IP`` says otherwise). The driver is rank 0 and the group's rendezvous,
+on the driver's Ray node address; the other ranks take one CPU bundle each of a ``PACK``
+placement group, so they stay on the fewest nodes and spill onto other nodes when the driver's
+lacks room. Every node needs the same model directory and installed packages.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from platform_core.distributed.launch import LoopbackGroupConfig, find_free_port
+from platform_core.distributed.launch import NodeGroupConfig, find_free_port
 from platform_core.executor.base import (
     LockstepExecutor,
     ModelSpec,
@@ -30,7 +32,7 @@ DEFAULT_NODE_IP = "127.0.0.2"
 class RayRank:
     """One worker rank inside a Ray actor."""
 
-    def __init__(self, spec: ModelSpec, group: LoopbackGroupConfig, rank: int) -> None:
+    def __init__(self, spec: ModelSpec, group: NodeGroupConfig, rank: int) -> None:
         from platform_core.executor.rank import build_rank_runner
 
         self.runner = build_rank_runner(spec, group, rank)
@@ -39,9 +41,11 @@ class RayRank:
         """Run one typed call on this rank."""
         return serve_call(self.runner, call)
 
-    def pid(self) -> int:
-        """This actor's process id (a liveness probe)."""
-        return os.getpid()
+    def place(self) -> tuple[str, int]:
+        """This actor's node address and process id (also a liveness probe)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), os.getpid()
 
 
 class RayExecutor(LockstepExecutor):
@@ -62,13 +66,15 @@ class RayExecutor(LockstepExecutor):
                 ray.init(address=parallel.ray_address, log_to_driver=False)
             else:
                 ray.init(
+                    address="local",  # a new cluster, never one another ray.init left running
                     _node_ip_address=os.environ.get("PLATFORM_CORE_RAY_NODE_IP", DEFAULT_NODE_IP),
                     include_dashboard=False,
                     log_to_driver=False,
                 )
         world = parallel.tensor_parallel_size
-        group = LoopbackGroupConfig(world, find_free_port(), parallel.worker_timeout_s)
-        self._pg = placement_group([{"CPU": 1}] * (world - 1), strategy="STRICT_PACK")
+        host = ray.util.get_node_ip_address()
+        group = NodeGroupConfig(world, host, find_free_port(host), parallel.worker_timeout_s)
+        self._pg = placement_group([{"CPU": 1}] * (world - 1), strategy="PACK")
         ray.get(self._pg.ready(), timeout=self.timeout)
         remote_rank = ray.remote(num_cpus=1)(RayRank)
         self._actors = [
@@ -82,11 +88,18 @@ class RayExecutor(LockstepExecutor):
         self._pending: list[Any] = []
         try:
             self.driver = build_rank_runner(spec, group, 0)
-            self.worker_pids = ray.get([a.pid.remote() for a in self._actors], timeout=self.timeout)
+            places = ray.get([a.place.remote() for a in self._actors], timeout=self.timeout)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (driver + %d Ray actors)", world, world - 1)
+        self.worker_nodes = [node for node, _ in places]
+        self.worker_pids = [pid for _, pid in places]
+        logger.info(
+            "tensor parallel: %d ranks (driver on %s, Ray actors on %s)",
+            world,
+            host,
+            ", ".join(self.worker_nodes),
+        )
 
     def _send(self, call: RankCall) -> None:
         self._pending = [actor.call.remote(call) for actor in self._actors]
@@ -104,7 +117,7 @@ class RayExecutor(LockstepExecutor):
         import ray
 
         try:
-            ray.get([a.pid.remote() for a in self._actors], timeout=5)
+            ray.get([a.place.remote() for a in self._actors], timeout=5)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             raise WorkerDiedError(f"a Ray worker is gone: {exc}") from exc
 
