@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from platform_core import LLM, SamplingParams
 from platform_core.executor.base import WorkerDiedError
@@ -56,6 +57,8 @@ def test_tp2_on_ray_equals_one_rank_and_leaves_nothing(tiny_model_dir):
     try:
         assert tokens(tp, batch) == expected
         worker_pids = tp.engine.executor.worker_pids
+        # both ranks on this machine: they split its cores
+        assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
     finally:
         tp.shutdown()
     import ray

@@ -23,7 +23,8 @@ GCS_PORT = 6390  # outside the range Ray gives its workers (10002-19999)
 
 # Run inside the head's namespace: one rank alone, then two ranks through the cluster.
 DRIVER = """
-import json, sys
+import json, os, sys
+import torch
 from platform_core import LLM, SamplingParams
 model, address = sys.argv[1], sys.argv[2]
 params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -38,9 +39,11 @@ tp = LLM(model, dtype="float32", tensor_parallel_size=2, distributed_executor_ba
 try:
     got = tokens(tp)
     nodes = tp.engine.executor.worker_nodes
+    threads = torch.get_num_threads()  # rank 0's, alone on its node
 finally:
     tp.shutdown()
-print(json.dumps({"expected": expected, "got": got, "worker_nodes": nodes}))
+result = {"expected": expected, "got": got, "worker_nodes": nodes, "threads": threads}
+print(json.dumps({**result, "cores": os.cpu_count()}))
 """
 
 
@@ -122,3 +125,4 @@ def test_tp2_spans_two_ray_nodes_and_matches_one_rank(hosts, tiny_model_dir, tmp
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["worker_nodes"] == [hosts.second_ip]  # rank 1 ran on the other host
     assert result["got"] == result["expected"]
+    assert result["threads"] == result["cores"]  # no rank shares rank 0's node

@@ -23,19 +23,22 @@ def build_rank_runner(
     group: LoopbackGroupConfig | NodeGroupConfig,
     rank: int,
     while_waiting: Callable[[], None] | None = None,
+    ranks_on_machine: int | None = None,
 ) -> ModelRunner:
     """Join the group as ``rank`` and load this rank's shard of the model.
 
     Blocks until every rank has joined (rank 0 calls ``while_waiting`` meanwhile, see
     ``init_loopback_process_group``); a ``NodeGroupConfig`` joins across machines. The backend
     is created by name (the driver already chose it), so all ranks run the same backend.
+    ``ranks_on_machine`` ranks share this machine's cores (default: the whole group).
     """
     from platform_core.distributed.parallel_state import TPGroup
 
     backend = PluginManager().create(spec.config)
     if backend.device.type == "cpu":
         # Ranks share the machine's cores; oversubscribing them slows every matmul.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+        sharing = ranks_on_machine or group.world_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // sharing))
     if isinstance(group, NodeGroupConfig):
         init_node_process_group(group, rank, backend.process_group_backend, while_waiting)
     else:

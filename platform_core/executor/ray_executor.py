@@ -30,22 +30,27 @@ DEFAULT_NODE_IP = "127.0.0.2"
 
 
 class RayRank:
-    """One worker rank inside a Ray actor."""
+    """One worker rank inside a Ray actor: placed first, then built (``build``)."""
 
-    def __init__(self, spec: ModelSpec, group: NodeGroupConfig, rank: int) -> None:
-        from platform_core.executor.rank import build_rank_runner
-
-        self.runner = build_rank_runner(spec, group, rank)
-
-    def call(self, call: RankCall) -> Any:
-        """Run one typed call on this rank."""
-        return serve_call(self.runner, call)
+    def __init__(self) -> None:
+        self.runner: Any = None
 
     def place(self) -> tuple[str, int]:
         """This actor's node address and process id (also a liveness probe)."""
         import ray
 
         return ray.util.get_node_ip_address(), os.getpid()
+
+    def build(self, spec: ModelSpec, group: NodeGroupConfig, rank: int, ranks_here: int) -> None:
+        """Join the group as ``rank`` and load this rank's shard (``ranks_here`` ranks share
+        this node's cores)."""
+        from platform_core.executor.rank import build_rank_runner
+
+        self.runner = build_rank_runner(spec, group, rank, ranks_on_machine=ranks_here)
+
+    def call(self, call: RankCall) -> Any:
+        """Run one typed call on this rank."""
+        return serve_call(self.runner, call)
 
 
 class RayExecutor(LockstepExecutor):
@@ -82,17 +87,31 @@ class RayExecutor(LockstepExecutor):
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._pg, placement_group_bundle_index=rank - 1
                 )
-            ).remote(spec, group, rank)
+            ).remote()
             for rank in range(1, world)
         ]
         self._pending: list[Any] = []
         try:
-            self.driver = build_rank_runner(spec, group, 0)
             places = ray.get([a.place.remote() for a in self._actors], timeout=self.timeout)
+            nodes = [host] + [node for node, _ in places]
+            built = [
+                actor.build.remote(spec, group, rank, nodes.count(nodes[rank]))
+                for rank, actor in enumerate(self._actors, start=1)
+            ]
+
+            def fail_with_a_rank() -> None:
+                """Re-raise a rank's start-up error while the driver waits for the group."""
+                finished, _ = ray.wait(built, num_returns=len(built), timeout=0)
+                ray.get(finished)
+
+            self.driver = build_rank_runner(
+                spec, group, 0, fail_with_a_rank, ranks_on_machine=nodes.count(host)
+            )
+            ray.get(built, timeout=self.timeout)
         except BaseException:
             self.shutdown()
             raise
-        self.worker_nodes = [node for node, _ in places]
+        self.worker_nodes = nodes[1:]
         self.worker_pids = [pid for _, pid in places]
         logger.info(
             "tensor parallel: %d ranks (driver on %s, Ray actors on %s)",
