@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from platform_core import LLM, SamplingParams
+from platform_core.errors import BackendError
 from platform_core.executor.base import WorkerDiedError
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+NO_RAY = "ray is not installed (pip install 'platform-core[ray]')"
 
 
 def prompts(seed: int = 0) -> list[dict]:
@@ -49,7 +51,7 @@ def test_tp2_multiprocess_equals_one_rank(tiny_model_dir, arch):
 
 
 def test_tp2_on_ray_equals_one_rank_and_leaves_nothing(tiny_model_dir):
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'platform-core[ray]')")
+    pytest.importorskip("ray", reason=NO_RAY)
     model = str(tiny_model_dir("llama"))
     batch = prompts(1)
     expected = tokens(LLM(model, dtype="float32"), batch)
@@ -68,6 +70,30 @@ def test_tp2_on_ray_equals_one_rank_and_leaves_nothing(tiny_model_dir):
     while any(_alive(pid) for pid in worker_pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in worker_pids), "a Ray worker outlived shutdown"
+
+
+def test_a_ray_rank_failing_to_start_fails_the_driver_at_once(tiny_model_dir):
+    ray = pytest.importorskip("ray", reason=NO_RAY)
+    # The actors' environment names a CPU kernel level that does not exist: their backend
+    # refuses it, while the driver's (this process's) is fine.
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.2",
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PLATFORM_CORE_CPU_ISA": "no-such-level"}},
+    )
+    try:
+        # Without the watch the driver would wait out the rendezvous and raise ProcessStartError.
+        with pytest.raises(BackendError, match="no-such-level"):
+            LLM(
+                str(tiny_model_dir("llama")),
+                dtype="float32",
+                tensor_parallel_size=2,
+                distributed_executor_backend="ray",
+            )
+    finally:
+        ray.shutdown()
 
 
 def _alive(pid: int) -> bool:
