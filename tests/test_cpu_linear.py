@@ -1,6 +1,6 @@
 """The CPU backend's bf16 linear against ``F.linear``: the compiled ``linear_bf16`` in the build
-of every ISA level this CPU runs (widened weights on AVX2, AVX512-BF16 dot products for one row
-where the build has them), the oneDNN packed path and its weight cache, and which path each
+of every ISA level this CPU runs (widened weights; AVX512-BF16 dot products for one row where
+the build has them), the oneDNN packed path and its weight cache, and which path each
 CPU level routes to."""
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def test_backend_linear_at_each_level_routes_and_matches(level: str) -> None:
     linear = resolve_ops(backend.op_overrides()).linear
     assert isinstance(linear, CpuLinear)
     assert ("oneDNN" in linear.path) == backend.isa.onednn_bf16
+    assert "compiled" in linear.path  # one row (batch-1 decode) at least: the compiled GEMV
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
     b = torch.randn(96, generator=gen).to(torch.bfloat16)
@@ -103,7 +104,7 @@ def test_backend_linear_at_each_level_routes_and_matches(level: str) -> None:
         torch.testing.assert_close(linear(x32, w32, b32), F.linear(x32, w32, b32))
 
 
-def test_one_row_goes_to_the_kernel_only_with_bf16_dot_products() -> None:
+def test_one_row_goes_to_the_kernel_on_every_path() -> None:
     calls = []
     ops = _kernel(LEVELS[-1])
 
@@ -120,7 +121,7 @@ def test_one_row_goes_to_the_kernel_only_with_bf16_dot_products() -> None:
     assert calls == [1, 4]
     if host_isa().onednn_bf16 and packed_linear_available():
         calls.clear()
-        packed = CpuLinear(counting, onednn=True, one_row_kernel=True)
+        packed = CpuLinear(counting, onednn=True)  # oneDNN takes only several rows
         _close(packed(one, w), F.linear(one, w))
         _close(packed(many, w), F.linear(many, w))
         assert calls == [1]

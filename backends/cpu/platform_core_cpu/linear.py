@@ -6,9 +6,9 @@
   into oneDNN's blocked layout and reused while unchanged (same tensor object, storage and
   in-place version), so a reloaded weight is packed again. ``F.linear`` on a plain bf16 weight pays
   per call for preparing it; at decode's small batches that costs about as much as the matmul
-  (measured: packed is 1.5-2.4x faster at batch 1-8, equal at 256). A single activation row on an
-  AVX512-BF16 CPU goes through the compiled GEMV instead (it streams weights faster:
-  benchmarks/RESULTS.md, batch-1 decode on SmolLM2).
+  (measured: packed is 1.5-2.4x faster at batch 1-8, equal at 256). A single activation row goes
+  through the compiled GEMV instead, on every level (it streams weights faster: batch-1 decode
+  on SmolLM2 16-17 ms a step against oneDNN's 22-23 on AVX-512 without BF16, RESULTS.md).
 - Other CPUs (AVX2): oneDNN raises on bf16 weights there, so every bf16 linear goes through the
   compiled ``linear_bf16``, which keeps the weights bf16 in memory (half the bytes of float32:
   decode reads them all each step) and widens them to fp32 in registers.
@@ -55,9 +55,8 @@ class CpuLinear:
     Args:
         kernel: the compiled ``linear_bf16`` (any number of rows), or ``None`` without the
             compiled kernels.
-        onednn: oneDNN computes bf16 on this CPU: several rows go to packed weights.
-        one_row_kernel: one row goes to ``kernel`` even where oneDNN could take it (the
-            AVX512-BF16 GEMV).
+        onednn: oneDNN computes bf16 on this CPU: several rows go to packed weights (one row
+            still goes to ``kernel`` where there is one).
         onednn_float32: float32 linears go to packed weights.
 
     The packed cache holds one copy per weight (extra memory equal to the bf16 weights used);
@@ -69,20 +68,18 @@ class CpuLinear:
         kernel: Callable[..., torch.Tensor] | None,
         *,
         onednn: bool,
-        one_row_kernel: bool = False,
         onednn_float32: bool = False,
     ) -> None:
         self._cache: dict[int, _Packed] = {}
         self._kernel = kernel
         self._onednn = onednn
         self._onednn_float32 = onednn_float32
-        self._one_row_kernel = one_row_kernel and kernel is not None
 
     @property
     def path(self) -> str:
         """Which path bf16 linears take, in words (for the log)."""
         if self._onednn:
-            one_row = "; one row: compiled GEMV" if self._one_row_kernel else ""
+            one_row = "; one row: compiled GEMV" if self._kernel is not None else ""
             return f"oneDNN on packed weights{one_row}"
         if self._kernel is not None:
             return "compiled, bf16 weights widened to fp32 in registers"
@@ -98,7 +95,8 @@ class CpuLinear:
         if weight.dtype != torch.bfloat16:
             return F.linear(x, weight, bias)
         if self._onednn:
-            if self._one_row_kernel and x.dim() == 2 and x.shape[0] == 1 and _rows_fit(x, weight):
+            one_row = x.dim() == 2 and x.shape[0] == 1
+            if self._kernel is not None and one_row and _rows_fit(x, weight):
                 return self._kernel(x, weight, bias)
             return self._onednn_linear(x, weight, bias)
         if self._kernel is None:

@@ -89,7 +89,6 @@ class CpuBackend(Backend):
             linear = CpuLinear(
                 None if compiled is None else compiled.linear_bf16,
                 onednn=self.isa.onednn_bf16 and packed,
-                one_row_kernel=compiled is not None and compiled.bf16_dot_products(),
                 onednn_float32=packed,
             )
             _log_linear_path(linear.path, self.isa)
@@ -144,11 +143,10 @@ def _log_linear_path(path: str, isa: CpuIsa) -> None:
 def describe_paths(isa: CpuIsa) -> tuple[str, ...]:
     """What this CPU runs, for ``platform-core backends`` (from its features, building nothing)."""
     bf16_math = "bf16 attention: key and value pairs widened to fp32 in registers"
-    if isa.at_least("avx512_bf16"):
-        bf16_math += "; one-row bf16 linears: AVX512-BF16 dot products"
     if isa.onednn_bf16:
         amx = " with AMX" if "amx_bf16" in isa.flags and not isa.forced else ""
-        linears = f"bf16 linears: oneDNN on packed weights{amx}"
+        gemv = "AVX512-BF16 dot products" if isa.at_least("avx512_bf16") else "weights widened"
+        linears = f"bf16 linears: oneDNN on packed weights{amx}; one row: compiled GEMV ({gemv})"
     else:
         linears = (
             "bf16 linears: compiled, weights kept bf16 and widened in registers (no oneDNN bf16)"

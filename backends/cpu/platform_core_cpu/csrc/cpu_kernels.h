@@ -37,9 +37,6 @@ void rotary(const at::Tensor& query, const at::Tensor& key, const at::Tensor& co
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias);
 
-// Whether this build multiplies bf16 pairs in hardware (AVX512-BF16) rather than widening them.
-bool bf16_dot_products();
-
 // torch.argmax(x, dim=-1) for float32 x [rows, n] with contiguous rows; int64 [rows].
 at::Tensor argmax_rows(const at::Tensor& x);
 

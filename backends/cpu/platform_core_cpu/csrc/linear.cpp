@@ -1,7 +1,8 @@
 // bf16 linears y = x W^T (+ b) with x [M, K] and W [N, K] row-major, both bf16: fp32 sums, each
 // output rounded to bf16 once. Threads take contiguous bands of W's rows, so the weights stream
 // from memory once per call whatever M is (decode is bound by reading them).
-// - One row (batch-1 decode) on AVX512-BF16 builds: dot steps on bf16 pairs (vdpbf16ps).
+// - One row (batch-1 decode): on AVX512-BF16 builds, dot steps on bf16 pairs (vdpbf16ps); on
+//   others, the widened path below. Every level takes one row here, even where oneDNN has bf16.
 // - Up to kWidenedRowsMax rows: the weights widen to fp32 in registers (a 16-bit shift) and
 //   meet x, widened once up front, in FMAs; tiles of up to four x rows by two weight rows share
 //   each load.
@@ -154,8 +155,6 @@ void widened_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Ten
 }
 
 }  // namespace
-
-bool bf16_dot_products() { return kHasBf16Dot; }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {

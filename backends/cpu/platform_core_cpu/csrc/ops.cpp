@@ -24,7 +24,6 @@ PLATFORM_CORE_CPU_LIBRARY(PLATFORM_CORE_CPU_NAMESPACE, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor", &platform_core_cpu::silu_and_mul);
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
         &platform_core_cpu::linear_bf16);
-  m.def("bf16_dot_products() -> bool", &platform_core_cpu::bf16_dot_products);
   m.def("argmax_rows(Tensor x) -> Tensor", &platform_core_cpu::argmax_rows);
   m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
         &platform_core_cpu::rotary);

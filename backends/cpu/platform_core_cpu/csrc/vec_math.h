@@ -132,11 +132,6 @@ inline void load_pairs(const uint16_t* src, int64_t lanes, vecf& even, vecf& odd
   odd = std::bit_cast<vecf>(words & static_cast<int32_t>(0xFFFF0000u));
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kHasBf16Dot = true;
-#else
-constexpr bool kHasBf16Dot = false;
-#endif
 // bf16 elements one AVX512-BF16 dot step consumes per row.
 constexpr int64_t kBf16Pair = 32;
 
