@@ -7,8 +7,8 @@
   in-place version), so a reloaded weight is packed again. ``F.linear`` on a plain bf16 weight pays
   per call for preparing it; at decode's small batches that costs about as much as the matmul
   (measured: packed is 1.5-2.4x faster at batch 1-8, equal at 256). A single activation row goes
-  through the compiled GEMV instead, on every level (it streams weights faster: batch-1 decode
-  on SmolLM2 16-17 ms a step against oneDNN's 22-23 on AVX-512 without BF16, RESULTS.md).
+  through the compiled GEMV instead, on every level (it streams weights faster: on AVX-512
+  without BF16, SmolLM2's batch-1 decode step went from oneDNN's 22-23 ms to 15, RESULTS.md).
 - Other CPUs (AVX2): oneDNN raises on bf16 weights there, so every bf16 linear goes through the
   compiled ``linear_bf16``, which keeps the weights bf16 in memory (half the bytes of float32:
   decode reads them all each step) and widens them to fp32 in registers.
