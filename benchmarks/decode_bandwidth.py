@@ -4,8 +4,8 @@ A decode step at batch 1 reads every weight once (the tied embedding in full, as
 and the sequence's KV cache, so its time is bounded below by those bytes over the bandwidth a
 plain read of a large buffer gets on the same threads. Reported side by side, in one run:
 
-- bytes read per step: the model's parameters (unique storage) plus the KV cache at the mean
-  context of the decode;
+- bytes read per step: the model's parameters (``ModelRunner.weights_bytes``: a tied embedding
+  once) plus the KV cache at the mean context of the decode;
 - measured bandwidth: ``torch.sum`` over a ``--buffer-gib`` fp32 buffer (best of five), all of
   torch's threads, the same threads the engine uses;
 - the ceiling step time (bytes / bandwidth), the measured step time, and their ratio;
@@ -56,15 +56,6 @@ def read_bandwidth(gib: float, repeats: int = 5) -> float:
     return buffer.numel() * 4 / best
 
 
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once (tied weights)."""
-    seen: dict[int, int] = {}
-    for tensor in [*model.parameters(), *model.buffers()]:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 def kv_bytes_per_token(llm: LLM) -> float:
     """Bytes of keys and values one token adds over all layers."""
     runner = llm.engine.runner
@@ -98,7 +89,7 @@ def main() -> None:
     )
     step = (whole - prefill) / args.output_len
 
-    weights = parameter_bytes(llm.engine.runner.model)
+    weights = llm.engine.runner.weights_bytes
     mean_context = args.input_len + (1 + args.output_len) / 2
     per_step = weights + kv_bytes_per_token(llm) * mean_context
     bandwidth = read_bandwidth(args.buffer_gib)
