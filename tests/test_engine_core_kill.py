@@ -99,8 +99,12 @@ def test_tensor_parallel_workers_die_with_their_core(model_dir):
         finally:
             engine.shutdown()
     for pid in workers:
+        # The kernel closes the core's pipes before it sends the death signal, so a waiting
+        # worker may see EOF and exit cleanly first; one in a collective gets the SIGKILL.
         status = statuses[pid]
-        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        left_on_eof = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+        assert killed or left_on_eof, status
     assert not zombies_below(os.getpid())
 
 
