@@ -42,8 +42,9 @@ PROJECT_NAME = "platform_core"
 ENTRY_POINT_GROUP = "platform_core.backends"
 # What each minor added (a backend declaring an older one gets the defaults):
 # 1.1: Capabilities.auto_float32_dtype; 1.2: BackendInfo.details, Capabilities.auto_dtype_reason;
-# 1.3: platform_core.backend_api, Backend.communicator defaults to torch.distributed.
-PLUGIN_API_VERSION = (1, 3)
+# 1.3: platform_core.backend_api, Backend.communicator defaults to torch.distributed;
+# 1.4: Backend.before_step.
+PLUGIN_API_VERSION = (1, 4)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

@@ -192,6 +192,11 @@ class Backend(ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional hook, a no-op for synchronous devices
         """Wait for queued device work; a no-op on synchronous devices."""
 
+    def before_step(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Called before each step's forward, on the thread that runs it, on every rank (since
+        plugin API 1.4). The CPU backend fits its thread count to the cores other processes
+        leave free here."""
+
     def op_overrides(self) -> dict[str, Callable[..., Any]]:
         """Optional ops by name, one of ``OVERRIDABLE_OPS`` (``"rms_norm"``, ``"rotary"``,
         ``"silu_and_mul"``, ``"linear"``, ``"argmax"``); their signatures are ``RmsNormFn``,

@@ -154,6 +154,7 @@ class ModelRunner:
 
         Collective under tensor parallelism: every rank calls it with the same plan.
         """
+        self.backend.before_step()
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
         model_input = self.input_builder.to_device(plan.batch)

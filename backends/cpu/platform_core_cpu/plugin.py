@@ -23,11 +23,17 @@ from platform_core.backend_api import (
 from platform_core_cpu.graph_runner import GRAPHS_ENV, CpuGraphRunner
 from platform_core_cpu.isa import CpuIsa, host_isa
 from platform_core_cpu.linear import packed_linear_available
+from platform_core_cpu.thread_governor import (
+    ADAPTIVE_THREADS_ENV,
+    ThreadGovernor,
+    governor_enabled,
+)
 
 logger = logging.getLogger("platform_core_cpu")
 
-# 1.3: the backend API, the default communicator (1.2: BackendInfo.details, auto_dtype_reason)
-BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 3), priority=0)
+# 1.4: before_step (1.3: the backend API, the default communicator; 1.2: BackendInfo.details,
+# auto_dtype_reason)
+BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 4), priority=0)
 
 
 def capabilities(isa: CpuIsa | None = None) -> Capabilities:
@@ -73,6 +79,13 @@ class CpuBackend(Backend):
         self.capabilities = capabilities(self.isa)
         self.attention = CpuAttentionOps(level=self.isa.level)
         self.memory = CpuMemoryProfiler()
+        self._threads = ThreadGovernor() if governor_enabled() else None
+
+    def before_step(self) -> None:
+        """Fit the step's thread count to the cores other processes leave free
+        (:class:`~platform_core_cpu.thread_governor.ThreadGovernor`)."""
+        if self._threads is not None:
+            self._threads.before_step()
 
     def op_overrides(self) -> dict[str, Any]:
         """float32 and bf16 linears on this CPU's path
@@ -159,6 +172,9 @@ def describe_paths(isa: CpuIsa) -> tuple[str, ...]:
         "float32 linears: oneDNN on packed weights"
         if packed_linear_available()
         else "float32 linears: torch's F.linear (no oneDNN in this torch build)",
+        "step threads: fitted to the cores other processes leave free"
+        if governor_enabled()
+        else f"step threads: fixed ({ADAPTIVE_THREADS_ENV}=0 or no /proc)",
     )
 
 

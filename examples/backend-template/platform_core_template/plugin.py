@@ -24,7 +24,7 @@ from platform_core_template.memory import HostMemoryProfiler
 # api_version: the plugin contract this package implements (PLUGIN_API_VERSION when written);
 # priority: below real backends, so "auto" never picks the template.
 BACKEND = BackendIdentity(
-    "template", "platform-core-backend-template", api_version=(1, 3), priority=-20
+    "template", "platform-core-backend-template", api_version=(1, 4), priority=-20
 )
 # Declare only what passes `platform-core conformance --backend template`.
 CAPABILITIES = Capabilities(
