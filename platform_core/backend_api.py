@@ -68,6 +68,14 @@ if TYPE_CHECKING:
     from platform_core.layers.linear import LinearFn
     from platform_core.layers.norm import RmsNormFn, rms_norm
     from platform_core.layers.ops import OVERRIDABLE_OPS, LayerOps, resolve_ops
+    from platform_core.layers.quant_formats import (
+        QUANT_FORMATS,
+        QuantFormat,
+        QuantizedLinearFn,
+        dequantize,
+        quantized_linear,
+        random_blocks,
+    )
     from platform_core.layers.rotary import RotaryFn, apply_rotary
     from platform_core.plugins.accelerator import (
         AcceleratorBackend,
@@ -124,6 +132,12 @@ __all__ = [  # noqa: RUF022 - grouped by topic, not sorted
     "LinearFn",
     "row_argmax",
     "ArgmaxFn",
+    "quantized_linear",
+    "QuantizedLinearFn",
+    "QuantFormat",
+    "QUANT_FORMATS",
+    "dequantize",
+    "random_blocks",
     # the Triton kernels shared by the GPU backends
     "KERNEL_CAPABILITIES",
     "triton_installed",
@@ -169,6 +183,12 @@ _LAZY = {
     "LinearFn": "platform_core.layers.linear",
     "row_argmax": "platform_core.layers.argmax",
     "ArgmaxFn": "platform_core.layers.argmax",
+    "quantized_linear": "platform_core.layers.quant_formats",
+    "QuantizedLinearFn": "platform_core.layers.quant_formats",
+    "QuantFormat": "platform_core.layers.quant_formats",
+    "QUANT_FORMATS": "platform_core.layers.quant_formats",
+    "dequantize": "platform_core.layers.quant_formats",
+    "random_blocks": "platform_core.layers.quant_formats",
     "LaunchParams": "platform_core.kernels.triton.launch",
     "choose_num_splits": "platform_core.kernels.triton.launch",
     "TritonAttentionOps": "platform_core.kernels.triton.ops",

@@ -17,14 +17,21 @@ import yaml
 from platform_core.errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "gguf": linears keep a quantized GGUF's blocks; "none": every weight dequantized.
+QUANTIZATIONS = ("gguf", "none")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """Which model to load and how."""
+    """Which model to load and how.
+
+    ``quantization`` None (the default) keeps a quantized GGUF's linears quantized unless a
+    ``dtype`` other than ``auto`` was asked for; ``"gguf"`` requires that, ``"none"`` dequantizes.
+    """
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     tokenizer: str | None = None
@@ -36,6 +43,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; valid values: {_DTYPES}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization={self.quantization!r} is not supported; valid values: "
+                f"{QUANTIZATIONS} (or None: automatic)"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.generation_config not in ("auto", "none"):

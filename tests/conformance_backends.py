@@ -20,6 +20,7 @@ from platform_core.attention.metadata import AttentionMetadata
 from platform_core.attention.reference import ReferenceAttentionOps, reference_write_kv
 from platform_core.config import EngineConfig
 from platform_core.layers.ops import LayerOps
+from platform_core.layers.quant_formats import QuantFormat, quantized_linear
 from platform_core.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from platform_core.plugins.interfaces import AttentionOps, Backend, BackendInfo, Capabilities
 
@@ -98,6 +99,26 @@ def linear_without_bias(
 ) -> torch.Tensor:
     """Forgets the bias."""
     return F.linear(x, weight)
+
+
+def quantized_linear_without_offset(
+    x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Reads Q4_1 as if its blocks had no offset ``m`` (a Q4_0 kernel reused)."""
+    if fmt.name == "Q4_1":
+        qweight = qweight.clone()
+        qweight.unflatten(1, (-1, fmt.block_bytes))[..., 2:4] = 0  # float16 zero
+    return quantized_linear(x, qweight, fmt, bias)
+
+
+def quantized_linear_on_8bit_inputs(
+    x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Rounds every 32 inputs to 8 bits with one scale first, as integer-dot kernels do."""
+    groups = x.float().unflatten(-1, (-1, 32))
+    scale = groups.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
+    rounded = ((groups / scale).round() * scale).flatten(-2).to(x.dtype)
+    return quantized_linear(rounded, qweight, fmt, bias)
 
 
 @dataclass

@@ -9,17 +9,42 @@ import gguf
 import numpy as np
 import torch
 
+from platform_core.layers.quant_formats import QUANT_FORMATS
+from platform_core.layers.quant_formats import random_blocks as core_random_blocks
+
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 96, 4, 2, 2, 80
 
 
-def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, seed: int = 0) -> Path:
-    """A small seeded GGUF mixing F32, F16, Q8_0 and Q4_1 tensors (no tokenizer)."""
+def random_blocks(rows: int, columns: int, qtype: gguf.GGMLQuantizationType, rng: Any) -> Any:
+    """``uint8 [rows, row_bytes]`` blocks of ``qtype``: quantized from normal values where the
+    gguf package can quantize the type, else random bytes with small float16 scales."""
+    values = rng.standard_normal((rows, columns)).astype(np.float32)
+    try:
+        return gguf.quants.quantize(values, qtype)
+    except NotImplementedError:  # K-quants: random bytes, weights of a normal's RMS
+        gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
+        return core_random_blocks(rows, columns, QUANT_FORMATS[qtype.name], 1.0, gen).numpy()
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    tied: bool = True,
+    seed: int = 0,
+    qtype: gguf.GGMLQuantizationType | None = None,
+    hidden: int = HIDDEN,
+    ffn: int = FFN,
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> Path:
+    """A small seeded GGUF (no tokenizer). By default it mixes F32, F16, Q8_0 and Q4_1 tensors
+    (fused parts of one linear in different formats among them); with ``qtype`` every linear
+    is ``qtype`` and the embedding Q8_0. ``types`` sets the type of single tensors by name."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-6)
@@ -31,31 +56,38 @@ def write_tiny_gguf(path: Path, arch: str = "llama", tied: bool = True, seed: in
     qtypes = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1]
 
     def add(name: str, shape: tuple[int, ...]) -> None:
+        if name in (types or {}):
+            writer.add_tensor(name, random_blocks(*shape, types[name], rng), raw_dtype=types[name])
+            return
+        if qtype is not None and len(shape) == 2:
+            kind = gguf.GGMLQuantizationType.Q8_0 if name.startswith("token_embd") else qtype
+            writer.add_tensor(name, random_blocks(*shape, kind, rng), raw_dtype=kind)
+            return
         values = rng.standard_normal(shape).astype(np.float32)
         if len(shape) == 1:  # norms and biases
             writer.add_tensor(name, values)
         elif name.startswith("blk.1."):
             writer.add_tensor(name, values.astype(np.float16))
         else:
-            qtype = qtypes[len(name) % 2]
-            writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+            mixed = qtypes[len(name) % 2]
+            writer.add_tensor(name, gguf.quants.quantize(values, mixed), raw_dtype=mixed)
 
-    head_dim = HIDDEN // HEADS
-    add("token_embd.weight", (VOCAB, HIDDEN))
-    add("output_norm.weight", (HIDDEN,))
+    head_dim = hidden // HEADS
+    add("token_embd.weight", (VOCAB, hidden))
+    add("output_norm.weight", (hidden,))
     if not tied:
-        add("output.weight", (VOCAB, HIDDEN))
+        add("output.weight", (VOCAB, hidden))
     for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", (HIDDEN,))
-        add(f"blk.{i}.ffn_norm.weight", (HIDDEN,))
+        add(f"blk.{i}.attn_norm.weight", (hidden,))
+        add(f"blk.{i}.ffn_norm.weight", (hidden,))
         for part, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
-            add(f"blk.{i}.attn_{part}.weight", (rows * head_dim, HIDDEN))
+            add(f"blk.{i}.attn_{part}.weight", (rows * head_dim, hidden))
             if arch == "qwen2":
                 add(f"blk.{i}.attn_{part}.bias", (rows * head_dim,))
-        add(f"blk.{i}.attn_output.weight", (HIDDEN, HIDDEN))
-        add(f"blk.{i}.ffn_gate.weight", (FFN, HIDDEN))
-        add(f"blk.{i}.ffn_up.weight", (FFN, HIDDEN))
-        add(f"blk.{i}.ffn_down.weight", (HIDDEN, FFN))
+        add(f"blk.{i}.attn_output.weight", (hidden, hidden))
+        add(f"blk.{i}.ffn_gate.weight", (ffn, hidden))
+        add(f"blk.{i}.ffn_up.weight", (ffn, hidden))
+        add(f"blk.{i}.ffn_down.weight", (hidden, ffn))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -20,6 +20,8 @@ from conformance_backends import (
     WrongGqaMapping,
     fp16_rms_norm,
     linear_without_bias,
+    quantized_linear_on_8bit_inputs,
+    quantized_linear_without_offset,
     rms_norm_without_eps,
 )
 from platform_core_conformance import run_conformance
@@ -27,6 +29,7 @@ from platform_core_conformance import run_conformance
 # What in-process backends can run (the engine loads installed backends only).
 UNIT_CHECKS = "test_kernels or test_ops or test_registration"
 OPS = "test_ops or test_registration"
+OP_CHECK, QUANTIZED = "test_op_override_matches_the_core_default", "quantized_linear"
 WITH_FP16 = dataclasses.replace(CAPABILITIES, dtypes=("float32", "float16"))
 
 
@@ -115,6 +118,14 @@ CATALOGUE: dict[str, tuple[FixturePlugin, str, dict[str, str], list[str]]] = {
         },
         ["test_op_override_matches_the_core_default[bfloat16-linear-odd-7x67->33-nobias]"],
     ),
+    "quantized-no-offset": (
+        FixturePlugin(
+            "quantized-no-offset", overrides={"quantized_linear": quantized_linear_without_offset}
+        ),
+        OPS,
+        {f"{OP_CHECK}[float32-{QUANTIZED}-one-row-Q4_1-1x96->37-bias]": "override 'quantized_"},
+        [f"{OP_CHECK}[float32-{QUANTIZED}-rows-Q8_0-9x64->37-nobias]"],
+    ),
     "misspelt-override": (
         FixturePlugin("misspelt-override", overrides={"rmsnorm": DEFAULT_OPS["rms_norm"]}),
         OPS,
@@ -150,3 +161,14 @@ def test_wrong_padding_fails_once_and_its_dependents_say_why_they_skipped(tmp_pa
     assert dependent["message"] == (
         "skipped because prerequisite test_padding_slots_write_nothing[bfloat16] (padding) failed"
     )
+
+
+def test_a_kernel_rounding_its_inputs_to_8_bits_passes_the_quantized_checks(tmp_path: Path) -> None:
+    """The quantized linear's floor admits integer-dot kernels (and the cases do run)."""
+    plugin = FixturePlugin(
+        "int8-inputs", overrides={"quantized_linear": quantized_linear_on_8bit_inputs}
+    )
+    code, checks = _checks(plugin, OPS, tmp_path)
+    assert code == 0, _failed(checks)
+    ran = [name for name in checks if "quantized_linear" in name]
+    assert len(ran) == 2 * 5 * 2, ran  # dtypes x formats x cases

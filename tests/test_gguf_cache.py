@@ -69,6 +69,7 @@ def test_materialized_tiny_dir_layout(tiny_cache: tuple[Path, Path], tmp_path: P
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "quantized/model.safetensors",
     ]
     # Only the published folder and its entry lock remain: no temporary or stale siblings.
     assert sorted(os.listdir(folder.parent)) == [f".{folder.name}.lock", folder.name]

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from platform_core.backend_api import OVERRIDABLE_OPS, LayerOps
+from platform_core.backend_api import (
+    OVERRIDABLE_OPS,
+    QUANT_FORMATS,
+    LayerOps,
+    QuantFormat,
+    random_blocks,
+)
+from platform_core_conformance.tolerances import Tolerance
 
 EPS = 1e-5
 Inputs = tuple[object, ...]
@@ -48,10 +55,12 @@ class OpRun:
 
 @dataclass(frozen=True, slots=True)
 class OpSpec:
-    """An overridable op: its cases, and whether its output is compared exactly (indices)."""
+    """An overridable op: its cases, whether its output is compared exactly (indices), and the
+    least tolerance it gets in any dtype (``floor``: an op allowed to round its inputs)."""
 
     cases: tuple[OpCase, ...]
     exact: bool = False
+    floor: Tolerance | None = None
 
 
 def _randn(gen: torch.Generator, *dims: int, scale: float = 1.0) -> torch.Tensor:
@@ -74,6 +83,18 @@ def _linear_case(name: str, rows: int, inputs: int, outputs: int, bias: bool, ma
 
     bias_id = "bias" if bias else "nobias"
     return OpCase(f"{name}-{rows}x{inputs}->{outputs}-{bias_id}", build, mag)
+
+
+def _quantized_case(name: str, rows: int, fmt: QuantFormat, blocks: int, bias: bool) -> OpCase:
+    """Random blocks of every bit pattern, of RMS ``inputs ** -0.5``: outputs of order one."""
+    inputs, outputs = blocks * fmt.block_size, 37
+
+    def build(gen: torch.Generator) -> Inputs:
+        qweight = random_blocks(outputs, inputs, fmt, inputs**-0.5, gen)
+        return (_randn(gen, rows, inputs), qweight, fmt, _randn(gen, outputs) if bias else None)
+
+    bias_id = "bias" if bias else "nobias"
+    return OpCase(f"{name}-{fmt.name}-{rows}x{inputs}->{outputs}-{bias_id}", build)
 
 
 def _rotary_case(name: str, tokens: int, heads: int, kv_heads: int, size: int) -> OpCase:
@@ -138,6 +159,19 @@ OP_TABLE: dict[str, OpSpec] = {
         )
     ),
     "argmax": OpSpec((_argmax_case("odd", 3, 67), _argmax_case("rows", 9, 256)), exact=True),
+    # A kernel may round each 32 inputs to 8 bits with one scale, as llama.cpp does: about
+    # 2^-9 relative per input, about 0.6% relative RMS over a row of products.
+    "quantized_linear": OpSpec(
+        tuple(
+            case
+            for fmt in QUANT_FORMATS.values()
+            for case in (
+                _quantized_case("one-row", 1, fmt, 3, True),
+                _quantized_case("rows", 9, fmt, 2, False),
+            )
+        ),
+        floor=Tolerance(atol=2e-2, rtol=2e-2, rms=1e-2),
+    ),
 }
 assert set(OP_TABLE) == set(OVERRIDABLE_OPS), "every overridable op needs a row in OP_TABLE"
 

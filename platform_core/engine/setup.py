@@ -60,6 +60,36 @@ def apply_auto_dtype(config: EngineConfig, backend: Backend) -> EngineConfig:
     return config.replace(dtype=target)
 
 
+def resolve_quantization(config: EngineConfig, model_dir: Path) -> EngineConfig:
+    """``quantization`` None: ``"gguf"`` for a checkpoint with quantized blocks unless a dtype
+    was asked for, else ``"none"`` (logged); ``"gguf"`` without blocks is a ConfigError."""
+    from platform_core.models.quantized_checkpoint import quantized_formats
+
+    asked = config.model.quantization
+    formats = quantized_formats(model_dir)
+    if asked == "gguf" and not formats:
+        raise ConfigError(
+            f"quantization='gguf' needs a quantized GGUF checkpoint; {model_dir} keeps no "
+            "quantized tensors"
+        )
+    if asked is not None:
+        return config
+    if not formats:
+        return config.replace(quantization="none")
+    if config.model.dtype != "auto":
+        logger.info(
+            "quantization none: dtype=%s was asked for, so the checkpoint's quantized tensors "
+            "run dequantized (pass quantization='gguf' to keep them)",
+            config.model.dtype,
+        )
+        return config.replace(quantization="none")
+    logger.info(
+        "quantization gguf: the checkpoint's quantized linears compute on their blocks (pass "
+        "quantization='none' or a dtype to dequantize them)"
+    )
+    return config.replace(quantization="gguf")
+
+
 def apply_backend_adjustments(config: EngineConfig, backend: Backend) -> EngineConfig:
     """Fill in the backend's preferred block size when none was set, then apply and log the
     config changes the backend asks for."""
@@ -144,6 +174,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
 
     model_dir = resolve_model_path(config.model.model)
     hf_config = load_hf_config(model_dir, config.model.trust_remote_code)
+    config = resolve_quantization(config, model_dir)
     declared = dtype_from_config(hf_config, config.model.dtype)
     auto_dtype = config.model.dtype == "auto"
     config = config.replace(model=str(model_dir), dtype=str(declared).removeprefix("torch."))
@@ -232,12 +263,13 @@ def _log_loaded(
         f"free, activation peak {memory.peak_bytes / 2**20:.0f} MiB"
     )
     logger.info(
-        "loaded %s (%s, %.1fM params, %s, %.0f MiB of weights, TP=%d) on backend %s; KV cache "
+        "loaded %s (%s, %.1fM params, %s%s, %.0f MiB of weights, TP=%d) on backend %s; KV cache "
         "%d blocks x %d tokens = %.1f MiB (%s%s); max_model_len %d",
         config.model.model,
         type(runner.model).__name__,
-        sum(p.numel() for p in runner.model.parameters()) / 1e6,
+        runner.parameter_count / 1e6,
         config.model.dtype,
+        "" if runner.quantization is None else f", {runner.quantization}",
         runner.weights_bytes / 2**20,
         config.parallel.tensor_parallel_size,
         config.backend,

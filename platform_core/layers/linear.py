@@ -2,6 +2,9 @@
 
 Both hold only this rank's part of the weight and declare (``placements``) which part of which
 checkpoint tensor fills it; with a single rank the shards are whole and nothing communicates.
+Either may keep its weight quantized (:meth:`QuantizableLinear.keep_quantized`): the weight is
+then the rows' blocks as stored (:mod:`platform_core.layers.quant_formats`), sharded by rows or
+by whole blocks of columns, and the forward runs the ``quantized_linear`` op.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.module import LayerModule
+from platform_core.layers.quant_formats import QuantFormat, QuantizedLinearFn, quantized_linear
 from platform_core.layers.sharding import Placement, Shard
 
 # ``F.linear``'s signature: ``(x, weight, bias) -> x @ weight.T (+ bias)``.
@@ -24,7 +28,37 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class ColumnParallelLinear(LayerModule):
+class QuantizableLinear(LayerModule):
+    """What both linears share: the projection through the 16/32-bit or the quantized op."""
+
+    weight: nn.Parameter
+    _linear: LinearFn
+    _quantized_linear: QuantizedLinearFn
+    #: the format the weight is kept in, or None for a 16/32-bit weight
+    quant: QuantFormat | None = None
+
+    def keep_quantized(self, fmt: QuantFormat) -> None:
+        """Hold the weight as ``fmt`` blocks (``uint8 [rows, row_bytes]``, to be loaded)."""
+        rows, columns = self.weight.shape
+        self.weight = _parameter(rows, fmt.row_bytes(columns), dtype=torch.uint8)
+        self.quant = fmt
+
+    @property
+    def in_features(self) -> int:
+        """This rank's input columns."""
+        columns = self.weight.shape[1]
+        return columns if self.quant is None else self.quant.in_features(columns)
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is None:
+            return self._linear(x, self.weight, bias)
+        return self._quantized_linear(x, self.weight, self.quant, bias)
+
+    def _quant_repr(self) -> str:
+        return "" if self.quant is None else f", quant={self.quant.name}"
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """``y = x @ weight.T (+ bias)`` producing this rank's output rows; no communication.
 
     ``output_shards`` gives, per stacked checkpoint projection, the rows this rank holds. With
@@ -41,6 +75,7 @@ class ColumnParallelLinear(LayerModule):
         dtype: torch.dtype,
         checkpoint_parts: Sequence[str] = (),
         linear: LinearFn = F.linear,
+        quantized: QuantizedLinearFn = quantized_linear,
     ) -> None:
         super().__init__()
         if len(output_shards) != (len(checkpoint_parts) or 1):
@@ -52,6 +87,7 @@ class ColumnParallelLinear(LayerModule):
         self.weight = _parameter(out, input_size, dtype=dtype)
         self.bias = _parameter(out, dtype=dtype) if bias else None
         self._linear = linear
+        self._quantized_linear = quantized
 
     def placements(self, param_name: str) -> tuple[Placement, ...]:
         """One row placement per part, stacked in order (weight and bias alike)."""
@@ -61,17 +97,17 @@ class ColumnParallelLinear(LayerModule):
         return tuple(Placement(0, shard, start) for shard, start in zip(self.output_shards, starts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.weight, self.bias)
+        return self._project(x, self.bias)
 
     def extra_repr(self) -> str:
         parts = f", parts={self.checkpoint_parts}" if self.checkpoint_parts else ""
         return (
-            f"in={self.weight.shape[1]}, out={self.output_sizes}, "
-            f"bias={self.bias is not None}{parts}"
+            f"in={self.in_features}, out={self.output_sizes}, "
+            f"bias={self.bias is not None}{parts}{self._quant_repr()}"
         )
 
 
-class RowParallelLinear(LayerModule):
+class RowParallelLinear(QuantizableLinear):
     """``y = sum over ranks(x_r @ weight_r.T) (+ bias)``: ``x`` holds this rank's input columns.
 
     The partial products are summed with one all-reduce; the bias is added once, after it.
@@ -85,6 +121,7 @@ class RowParallelLinear(LayerModule):
         dtype: torch.dtype,
         tp: TPGroup,
         linear: LinearFn = F.linear,
+        quantized: QuantizedLinearFn = quantized_linear,
     ) -> None:
         super().__init__()
         start, length = tp.shard_range(input_size)
@@ -93,22 +130,39 @@ class RowParallelLinear(LayerModule):
         self.bias = _parameter(output_size, dtype=dtype) if bias else None
         self._communicator = tp.communicator if tp.is_parallel else None
         self._linear = linear
+        self._quantized_linear = quantized
+
+    def keep_quantized(self, fmt: QuantFormat) -> None:
+        """As :meth:`QuantizableLinear.keep_quantized`; this rank's columns must be whole
+        blocks of ``fmt`` (a ValueError says which shard is not)."""
+        shard = self.input_shard
+        if shard.start % fmt.block_size or shard.length % fmt.block_size:
+            raise ValueError(
+                f"input columns {shard.start}:{shard.start + shard.length} of {shard.full} are "
+                f"not whole {fmt.name} blocks of {fmt.block_size}"
+            )
+        super().keep_quantized(fmt)
 
     def placements(self, param_name: str) -> tuple[Placement, ...]:
-        """The weight's input columns are sharded; the bias is replicated."""
+        """The weight's input columns are sharded (whole blocks, in bytes, when quantized);
+        the bias is replicated."""
         if param_name == "bias":
             return (Placement(0, Shard.whole(self.weight.shape[0])),)
-        return (Placement(1, self.input_shard),)
+        shard, fmt = self.input_shard, self.quant
+        if fmt is None:
+            return (Placement(1, shard),)
+        columns = Shard(fmt.row_bytes(shard.start), self.weight.shape[1], fmt.row_bytes(shard.full))
+        return (Placement(1, columns),)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._communicator is None:
-            return self._linear(x, self.weight, self.bias)
-        out = self._communicator.all_reduce(self._linear(x, self.weight, None))
+            return self._project(x, self.bias)
+        out = self._communicator.all_reduce(self._project(x, None))
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
         shard = self.input_shard
         return (
             f"in={shard.start}:{shard.start + shard.length} of {shard.full}, "
-            f"out={self.weight.shape[0]}, bias={self.bias is not None}"
+            f"out={self.weight.shape[0]}, bias={self.bias is not None}{self._quant_repr()}"
         )

@@ -9,6 +9,7 @@ from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.activation import SiluAndMulFn
 from platform_core.layers.linear import ColumnParallelLinear, LinearFn, RowParallelLinear
 from platform_core.layers.module import LayerModule
+from platform_core.layers.quant_formats import QuantizedLinearFn, quantized_linear
 from platform_core.layers.sharding import Shard
 
 
@@ -28,6 +29,7 @@ class GatedMLP(LayerModule):
         act: SiluAndMulFn,
         tp: TPGroup,
         linear: LinearFn = F.linear,
+        quantized: QuantizedLinearFn = quantized_linear,
     ) -> None:
         super().__init__()
         shard = Shard(*tp.shard_range(intermediate_size, "intermediate_size"), intermediate_size)
@@ -38,9 +40,10 @@ class GatedMLP(LayerModule):
             dtype,
             checkpoint_parts=("gate_proj", "up_proj"),
             linear=linear,
+            quantized=quantized,
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias, dtype, tp, linear=linear
+            intermediate_size, hidden_size, bias, dtype, tp, linear=linear, quantized=quantized
         )
         self._act = act
 

@@ -7,6 +7,8 @@ Names and signatures:
 - ``"silu_and_mul"``: :data:`platform_core.layers.activation.SiluAndMulFn`
 - ``"linear"``: :data:`platform_core.layers.linear.LinearFn` (``F.linear``'s signature)
 - ``"argmax"``: :data:`platform_core.layers.argmax.ArgmaxFn` (the sampler's row argmax)
+- ``"quantized_linear"``: :data:`platform_core.layers.quant_formats.QuantizedLinearFn` (a
+  linear on weights kept in a block format; since plugin API 1.4)
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
 from platform_core.layers.argmax import ArgmaxFn, row_argmax
 from platform_core.layers.linear import LinearFn
 from platform_core.layers.norm import RmsNormFn, rms_norm
+from platform_core.layers.quant_formats import QuantizedLinearFn, quantized_linear
 from platform_core.layers.rotary import RotaryFn, apply_rotary
 
-OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear", "argmax")
+OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear", "argmax", "quantized_linear")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,7 @@ class LayerOps:
     silu_and_mul: SiluAndMulFn = silu_and_mul
     linear: LinearFn = F.linear
     argmax: ArgmaxFn = row_argmax
+    quantized_linear: QuantizedLinearFn = quantized_linear
 
 
 def resolve_ops(overrides: Mapping[str, Callable[..., Any]] | None) -> LayerOps:

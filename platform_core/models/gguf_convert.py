@@ -1,10 +1,12 @@
 """Translate a GGUF checkpoint into Hugging Face form: ``config.json`` keys, float32 tensors under
-their HF names (with llama.cpp's rope row order undone), and the tokenizer files.
+their HF names (with llama.cpp's rope row order undone), the quantized tensors' blocks as stored
+(rows reordered the same way), and the tokenizer files.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,20 +103,54 @@ def gguf_config(reader: gguf.GGUFReader) -> dict[str, Any]:
     return config
 
 
-def gguf_state_dict(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32, keyed by its Hugging Face name."""
+_UNQUANTIZED = {
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+}
+
+
+def _rope_rows(
+    reader: gguf.GGUFReader, config: dict[str, Any]
+) -> Callable[[Any, np.ndarray], np.ndarray]:
+    """``rows(tensor, array)``: the array with llama.cpp's Q/K row order undone where it applies
+    (the array's rows are the tensor's output rows, as values or as blocks)."""
     permuted = _ARCHITECTURES[config["model_type"]][1]
     rope_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+
+    def rows(tensor: Any, array: np.ndarray) -> np.ndarray:
+        heads = rope_heads.get(tensor.name.split(".")[-2])  # blk.N.attn_q.weight -> attn_q
+        return unpermute_rope_rows(array, heads) if permuted and heads is not None else array
+
+    return rows
+
+
+def gguf_state_dict(reader: gguf.GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to float32, keyed by its Hugging Face name."""
+    rows = _rope_rows(reader, config)
     state: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
-        name = hf_tensor_name(tensor.name)
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        heads = rope_heads.get(tensor.name.split(".")[-2])  # blk.N.attn_q.weight -> attn_q
-        if permuted and heads is not None:
-            values = unpermute_rope_rows(values, heads)
-        state[name] = torch.from_numpy(np.array(values, dtype=np.float32))
+        values = rows(tensor, values)
+        state[hf_tensor_name(tensor.name)] = torch.from_numpy(np.array(values, dtype=np.float32))
     return state
+
+
+def gguf_quantized_tensors(
+    reader: gguf.GGUFReader, config: dict[str, Any]
+) -> dict[str, tuple[np.ndarray, str]]:
+    """Every quantized tensor's blocks as stored, ``uint8 [rows, row_bytes]``, with its GGML
+    type name, keyed by its Hugging Face name (1-D tensors, which are never quantized, and
+    16/32-bit ones are left out)."""
+    rows = _rope_rows(reader, config)
+    quantized = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type in _UNQUANTIZED or len(tensor.shape) != 2:
+            continue
+        blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[1]), -1)
+        quantized[hf_tensor_name(tensor.name)] = (rows(tensor, blocks), tensor.tensor_type.name)
+    return quantized
 
 
 def write_tokenizer(

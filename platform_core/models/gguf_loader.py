@@ -1,7 +1,9 @@
 """Read a GGUF checkpoint and materialize it once as a cached Hugging Face model directory.
 
-A materialized directory holds ``config.json``, a float32 ``model.safetensors``, the tokenizer files
-(with the chat template), ``generation_config.json`` and, written last, ``manifest.json`` listing
+A materialized directory holds ``config.json``, a float32 ``model.safetensors``, the quantized
+tensors' blocks as stored (``quantized/model.safetensors``, :mod:`.quantized_checkpoint`), the
+tokenizer files (with the chat template), ``generation_config.json`` and, written last,
+``manifest.json`` listing
 every file with its size and sha256. A directory whose manifest is missing, unreadable, or
 disagrees with the files on disk (sizes, and sha256s once per file change) is rebuilt.
 """
@@ -21,15 +23,19 @@ from platform_core.models.cache_entry import entry_lock, scratch_sibling
 from platform_core.models.cache_manifest import manifest_problem, write_json, write_manifest
 from platform_core.models.gguf_convert import (
     gguf_config,
+    gguf_quantized_tensors,
     gguf_state_dict,
     special_token_ids,
     write_tokenizer,
 )
+from platform_core.models.quantized_checkpoint import write_quantized_tensors
 
 logger = logging.getLogger("platform_core.models")
 
 CACHE_ENV = "PLATFORM_CORE_CACHE"
 _MIB = 1 << 20
+# Part of the cache key: a folder written by an older layout (without quantized/) is not reused.
+_LAYOUT = 2
 
 
 def default_cache_dir() -> Path:
@@ -45,6 +51,9 @@ def write_hf_model_dir(gguf_path: Path, folder: Path) -> None:
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {exc}") from exc
     config = gguf_config(reader)
     save_file(gguf_state_dict(reader, config), folder / "model.safetensors", {"format": "pt"})
+    quantized = gguf_quantized_tensors(reader, config)
+    if quantized:
+        write_quantized_tensors(folder, quantized)
     write_json(folder / "config.json", config)
     token_keys = ("bos_token_id", "eos_token_id", "pad_token_id")
     write_json(folder / "generation_config.json", {k: config[k] for k in token_keys if k in config})
@@ -96,7 +105,7 @@ def materialize_gguf(
 
 def _cache_key(path: Path) -> str:
     stat = path.stat()
-    digest = hashlib.sha256(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+    digest = hashlib.sha256(f"{_LAYOUT}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     with path.open("rb") as f:
         digest.update(f.read(_MIB))
         f.seek(max(stat.st_size - _MIB, 0))

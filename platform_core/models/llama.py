@@ -65,9 +65,16 @@ class LlamaAttention(LayerModule):
             dtype,
             ("q_proj", "k_proj", "v_proj"),
             linear=build.ops.linear,
+            quantized=build.ops.quantized_linear,
         )
         self.o_proj = RowParallelLinear(
-            heads.q_rows.full, spec.hidden_size, spec.o_bias, dtype, tp, linear=build.ops.linear
+            heads.q_rows.full,
+            spec.hidden_size,
+            spec.o_bias,
+            dtype,
+            tp,
+            linear=build.ops.linear,
+            quantized=build.ops.quantized_linear,
         )
         self.q_norm = build.norm(spec.head_size) if spec.qk_norm else None
         self.k_norm = build.norm(spec.head_size) if spec.qk_norm else None
@@ -114,6 +121,7 @@ class LlamaDecoderLayer(LayerModule):
             build.ops.silu_and_mul,
             build.tp,
             build.ops.linear,
+            build.ops.quantized_linear,
         )
 
     def forward(

@@ -5,10 +5,13 @@ parameter of the same name, one part of a fused linear such as the ``q_proj`` ro
 ``qkv_proj``, and under tensor parallelism only this rank's rows or columns). Only the slot's
 part of the tensor is read from the file, after checking the tensor's full shape. Any checkpoint
 tensor with no slot, any slot left unfilled, or a shape mismatch is a ModelLoadError naming it.
+With ``quantization="gguf"`` the linears that keep their blocks (:mod:`.quantized_linears`) are
+filled from ``quantized/model.safetensors`` instead of the dequantized tensors of the same names.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +26,9 @@ from tqdm import tqdm
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.errors import ConfigError, ModelLoadError
 from platform_core.layers.sharding import Placement, whole_placement
+from platform_core.models.checkpoint_names import checkpoint_names
+from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
+from platform_core.models.quantized_linears import keep_linears_quantized
 from platform_core.models.registry import CausalLM, get_model_class
 from platform_core.plugins.interfaces import AttentionOps
 
@@ -53,15 +59,26 @@ def load_model(
     attention_ops: AttentionOps,
     op_overrides: dict[str, Callable[..., Any]] | None = None,
     tp: TPGroup | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
-    """Build ``hf_config``'s architecture on ``device`` in ``dtype`` and load its weights.
+    """Build ``hf_config``'s architecture on ``device`` in ``dtype`` and load its weights; with
+    ``quantization="gguf"`` the linears keep the checkpoint's blocks where they can (logged).
 
     With a ``tp`` group of several ranks, builds and loads this rank's shard only.
     """
     model_cls = get_model_class(hf_config)
     with torch.device(device):
         model = model_cls(hf_config, attention_ops, dtype, op_overrides, tp)
-    load_weights(model, Path(model_dir))
+    kept: frozenset[str] = frozenset()
+    if quantization == "gguf":
+        formats = quantized_formats(Path(model_dir))
+        if not formats:
+            raise ModelLoadError(
+                f"quantization='gguf' needs a quantized GGUF checkpoint; {model_dir} keeps no "
+                "quantized tensors"
+            )
+        kept = frozenset(keep_linears_quantized(model, formats).kept)
+    load_weights(model, Path(model_dir), kept)
     return model.eval()
 
 
@@ -78,12 +95,19 @@ class _Slot:
         return self.placement.checkpoint_shape(self.param)
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy every checkpoint tensor of ``model_dir`` into ``model``; all or ModelLoadError."""
+def load_weights(
+    model: nn.Module, model_dir: Path, quantized: frozenset[str] = frozenset()
+) -> None:
+    """Copy every checkpoint tensor of ``model_dir`` into ``model``; all or ModelLoadError. The
+    ``quantized`` names come from the quantized blocks file, not from the 16/32-bit weights."""
     slots = _checkpoint_slots(model)
     is_ignored = getattr(model, "is_ignored_weight", lambda _name: False)
     filled: set[str] = set()
-    for name, handle in _checkpoint_tensors(model_dir):
+    files = _safetensors_files(model_dir)
+    tensors = _tensors(files, skip=quantized)
+    if quantized:
+        tensors = itertools.chain(tensors, _tensors([model_dir / QUANTIZED_FILE], only=quantized))
+    for name, handle in tensors:
         slot = slots.get(name)
         if slot is None:
             if is_ignored(name):
@@ -108,32 +132,31 @@ def _checkpoint_slots(model: nn.Module) -> dict[str, _Slot]:
     placements sharded layers declare."""
     slots: dict[str, _Slot] = {}
     for module_name, module in model.named_modules():
-        parts = getattr(module, "checkpoint_parts", ())
-        parent = module_name.rpartition(".")[0]
         for param_name, param in module.named_parameters(recurse=False):
-            names = [f"{parent}.{part}.{param_name}".lstrip(".") for part in parts]
             placements = (
                 module.placements(param_name)
                 if hasattr(module, "placements")
                 else (whole_placement(param),)
             )
-            for name, placement in zip(
-                names or [f"{module_name}.{param_name}"], placements, strict=True
-            ):
+            names = checkpoint_names(module_name, module, param_name)
+            for name, placement in zip(names, placements, strict=True):
                 slots[name] = _Slot(param, placement)
     return slots
 
 
-def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, Any]]:
-    """A lazy slice handle of every checkpoint tensor, in file order (with a progress bar).
+def _tensors(
+    files: list[Path], skip: frozenset[str] = frozenset(), only: frozenset[str] | None = None
+) -> Iterator[tuple[str, Any]]:
+    """A lazy slice handle of every tensor of ``files`` (less ``skip``; only ``only`` if set),
+    in file order, with a progress bar.
 
     A handle reads nothing until indexed; its ``get_shape()`` is the full shape.
     """
-    files = _safetensors_files(model_dir)
     with tqdm(desc="loading weights", unit="tensor", leave=False, disable=None) as progress:
         for path in files:
             with safe_open(str(path), framework="pt", device="cpu") as f:
-                names = list(f.keys())
+                stored = f.keys()
+                names = [n for n in stored if n not in skip and (only is None or n in only)]
                 progress.total = (progress.total or 0) + len(names)
                 for name in names:
                     yield name, f.get_slice(name)

@@ -199,8 +199,9 @@ class Backend(ABC):
 
     def op_overrides(self) -> dict[str, Callable[..., Any]]:
         """Optional ops by name, one of ``OVERRIDABLE_OPS`` (``"rms_norm"``, ``"rotary"``,
-        ``"silu_and_mul"``, ``"linear"``, ``"argmax"``); their signatures are ``RmsNormFn``,
-        ``RotaryFn``, ``SiluAndMulFn``, ``LinearFn`` and ``ArgmaxFn`` of the backend API."""
+        ``"silu_and_mul"``, ``"linear"``, ``"argmax"``, ``"quantized_linear"``); their
+        signatures are ``RmsNormFn``, ``RotaryFn``, ``SiluAndMulFn``, ``LinearFn``, ``ArgmaxFn``
+        and ``QuantizedLinearFn`` of the backend API."""
         return {}
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:

@@ -16,6 +16,7 @@ import torch
 
 from platform_core.config import EngineConfig
 from platform_core.layers.ops import resolve_ops
+from platform_core.models.quantized_linears import quantized_linears, quantized_summary
 from platform_core.plugins.interfaces import Backend, MemoryReport
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -71,6 +72,7 @@ class ModelRunner:
             backend.attention,
             overrides,
             **({} if tp is None else {"tp": tp}),
+            quantization=config.model.quantization,
         )
         self.block_size = config.cache.block_size
         self.input_builder = InputBuilder(self.block_size, backend.device)
@@ -84,6 +86,19 @@ class ModelRunner:
     @property
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def parameter_count(self) -> int:
+        """The model's weights, counting each quantized one by its values, not its bytes."""
+        return sum(p.numel() for p in self.model.parameters()) + sum(
+            m.weight.shape[0] * m.in_features - m.weight.numel()
+            for m in quantized_linears(self.model)
+        )
+
+    @property
+    def quantization(self) -> str | None:
+        """``"quantized linears Q4_1 x 210"``, or None when no weight is kept quantized."""
+        return quantized_summary(self.model)
 
     @property
     def bytes_per_block(self) -> int:

@@ -1,0 +1,166 @@
+"""Weight-only quantized formats kept as stored, and the reference quantized linear.
+
+A quantized weight of ``out_features x in_features`` is a ``uint8`` tensor
+``[out_features, row_bytes]``: each row is the row's blocks, back to back, in the format's own
+byte layout, exactly as a GGUF file stores them (GGUF tensors are row-major with blocks along
+the input dimension, so a row of blocks is a row of the weight). Rows are therefore independent:
+row shards, fused projections (rows stacked) and row permutations work on the bytes unchanged,
+and a column shard is a slice of whole blocks.
+
+The layouts (``d``, ``m``, ``dmin`` are float16; ``q`` are the stored integers):
+
+- ``Q8_0``: 32 weights, ``d`` then 32 int8 ``q``; ``w = d * q``.
+- ``Q4_0``: 32 weights, ``d`` then 16 bytes; byte ``j`` holds weight ``j`` in its low nibble and
+  weight ``j + 16`` in its high one; ``w = d * (q - 8)``.
+- ``Q4_1``: as ``Q4_0`` with ``m`` after ``d``; ``w = d * q + m``.
+- ``Q4_K``: 256 weights in 8 groups of 32: ``d``, ``dmin``, 12 bytes packing 8 six-bit scales
+  and 8 six-bit mins, then 128 bytes of nibbles (each 32 bytes hold two groups: low nibbles the
+  first, high the second); ``w = d * scale * q - dmin * min``.
+- ``Q6_K``: 256 weights in two halves of 128: 128 bytes of low nibbles, 64 bytes of high 2-bit
+  pairs, 16 int8 scales (one per 16 weights), then ``d``; ``w = d * scale * (q - 32)``.
+
+:func:`quantized_linear` (dequantize, then ``F.linear``) is the reference every backend's
+``quantized_linear`` op is checked against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """A block format: ``block_size`` weights stored in ``block_bytes`` bytes, with float16
+    scale fields at byte offsets ``half_fields`` of each block."""
+
+    name: str
+    block_size: int
+    block_bytes: int
+    half_fields: tuple[int, ...]
+
+    def row_bytes(self, in_features: int) -> int:
+        """Bytes of one weight row of ``in_features`` (a multiple of ``block_size``)."""
+        if in_features % self.block_size:
+            raise ValueError(
+                f"{self.name} stores rows in blocks of {self.block_size} weights; "
+                f"{in_features} is not a multiple"
+            )
+        return in_features // self.block_size * self.block_bytes
+
+    def in_features(self, row_bytes: int) -> int:
+        """The weights in a row of ``row_bytes`` bytes."""
+        return row_bytes // self.block_bytes * self.block_size
+
+
+Q8_0 = QuantFormat("Q8_0", 32, 34, (0,))
+Q4_0 = QuantFormat("Q4_0", 32, 18, (0,))
+Q4_1 = QuantFormat("Q4_1", 32, 20, (0, 2))
+Q4_K = QuantFormat("Q4_K", 256, 144, (0, 2))
+Q6_K = QuantFormat("Q6_K", 256, 210, (208,))
+QUANT_FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}
+
+# ``(x, qweight, fmt, bias) -> x @ dequantize(qweight, fmt).T (+ bias)`` in ``x``'s dtype.
+QuantizedLinearFn = Callable[
+    [torch.Tensor, torch.Tensor, QuantFormat, "torch.Tensor | None"], torch.Tensor
+]
+
+
+def random_blocks(
+    rows: int, in_features: int, fmt: QuantFormat, weight_rms: float, gen: torch.Generator
+) -> torch.Tensor:
+    """Random ``fmt`` weights of about ``weight_rms``: random bytes (every bit of every integer
+    field), with one scale in every float16 field. Test inputs for ``quantized_linear`` ops."""
+    qweight = torch.randint(0, 256, (rows, fmt.row_bytes(in_features)), generator=gen)
+    blocks = qweight.to(torch.uint8).unflatten(1, (-1, fmt.block_bytes))
+
+    def set_scales(scale: float) -> None:
+        half = torch.tensor([scale], dtype=torch.float16).view(torch.uint8)
+        for offset in fmt.half_fields:
+            blocks[..., offset : offset + 2] = half
+
+    set_scales(1.0)  # every weight is linear in the common scale: measure, then rescale
+    measured = dequantize(blocks.flatten(1), fmt).pow(2).mean().sqrt().item()
+    set_scales(weight_rms / measured)
+    return blocks.flatten(1)
+
+
+def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The float16 at byte ``offset`` of every block, as float32 ``[..., 1]``."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[..., n]`` -> ``[..., 2n]``: the low nibbles, then the high ones."""
+    return torch.cat((packed & 0x0F, packed >> 4), dim=-1)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _half(blocks, 0) * blocks[..., 2:].view(torch.int8).float()
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _half(blocks, 0) * (_nibbles(blocks[..., 2:]).float() - 8.0)
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _half(blocks, 0) * _nibbles(blocks[..., 4:]).float() + _half(blocks, 2)
+
+
+def _k4_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins, ``[..., 8]`` each."""
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat((low & 63, (high & 0x0F) | ((low >> 6) << 4)), dim=-1)
+    mins = torch.cat((mid & 63, (high >> 4) | ((mid >> 6) << 4)), dim=-1)
+    return scales.float(), mins.float()
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    scales, mins = _k4_scales_mins(blocks[..., 4:16])
+    groups = blocks[..., 16:].unflatten(-1, (4, 32))  # 4 x 32 bytes, two groups each
+    q = torch.stack((groups & 0x0F, groups >> 4), dim=-2).flatten(-3, -2).float()  # [..., 8, 32]
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    values = (d * scales).unsqueeze(-1) * q - (dmin * mins).unsqueeze(-1)
+    return values.flatten(-2)
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    low = blocks[..., :128].unflatten(-1, (2, 2, 32)).to(torch.int32)  # half, ql 0/32, l
+    high = blocks[..., 128:192].unflatten(-1, (2, 1, 32)).to(torch.int32)  # half, -, l
+    scales = blocks[..., 192:208].view(torch.int8).float()
+    d = _half(blocks, 208)
+    # Within a half, the four 32-weight quarters take the low nibbles of ql[0:32] and
+    # ql[32:64], then their high nibbles, with 2-bit pairs 0, 1, 2, 3 of qh.
+    nibble = torch.cat((low & 0x0F, low >> 4), dim=-2)  # half, quarter, l
+    shifts = torch.arange(4, dtype=torch.int32, device=blocks.device).view(4, 1) * 2
+    pairs = (high >> shifts) & 3  # half, quarter, l
+    q = (nibble | (pairs << 4)).float() - 32.0
+    values = q.flatten(-3).unflatten(-1, (16, 16)) * scales.unsqueeze(-1)
+    return d * values.flatten(-2)
+
+
+_DEQUANTIZERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+def dequantize(
+    qweight: torch.Tensor, fmt: QuantFormat, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``uint8 [rows, row_bytes]`` blocks of ``fmt`` -> ``[rows, in_features]`` in ``dtype``."""
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(
+            f"quantized weights are uint8 [rows, bytes], got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+    if qweight.shape[1] % fmt.block_bytes:
+        raise ValueError(f"a row of {qweight.shape[1]} bytes is not whole {fmt.name} blocks")
+    blocks = qweight.unflatten(1, (-1, fmt.block_bytes))
+    return _DEQUANTIZERS[fmt.name](blocks).flatten(1).to(dtype)
+
+
+def quantized_linear(
+    x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The reference :data:`QuantizedLinearFn`: dequantize to ``x``'s dtype, then ``F.linear``."""
+    return F.linear(x, dequantize(qweight, fmt, x.dtype), bias)

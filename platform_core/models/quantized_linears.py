@@ -1,0 +1,88 @@
+"""Which linears of a built model keep their checkpoint's quantized blocks, and why others do not.
+
+With ``quantization="gguf"`` every linear whose checkpoint tensors are all stored in one block
+format that a ``quantized_linear`` op computes on (:data:`QUANT_FORMATS`) keeps its weight in
+that format; the loader then fills it from ``quantized/model.safetensors``. What stays 16/32-bit:
+the embedding (rows are looked up, not multiplied) and the output head tied to it or stored beside
+it, and a fused projection whose parts were stored in different formats (one weight holds one
+format). A linear stored in a block format we cannot compute on is refused, naming the format.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from platform_core.errors import ModelLoadError
+from platform_core.layers.linear import QuantizableLinear
+from platform_core.layers.quant_formats import QUANT_FORMATS
+from platform_core.models.checkpoint_names import checkpoint_names
+
+logger = logging.getLogger("platform_core.models")
+
+
+@dataclass
+class QuantizedLinears:
+    """The outcome: checkpoint names now loaded as blocks, and what was dequantized and why."""
+
+    kept: dict[str, str] = field(default_factory=dict)  # checkpoint name -> format
+    dequantized: dict[str, str] = field(default_factory=dict)  # checkpoint name -> why
+
+
+def quantized_linears(model: nn.Module) -> list[QuantizableLinear]:
+    """The model's linears that keep a quantized weight."""
+    return [m for m in model.modules() if isinstance(m, QuantizableLinear) and m.quant]
+
+
+def quantized_summary(model: nn.Module) -> str | None:
+    """``"quantized linears Q4_1 x 210"`` (each fused linear counted once), or None."""
+    counts = Counter(m.quant.name for m in quantized_linears(model) if m.quant)
+    if not counts:
+        return None
+    return "quantized linears " + ", ".join(f"{f} x {n}" for f, n in sorted(counts.items()))
+
+
+def keep_linears_quantized(model: nn.Module, formats: dict[str, str]) -> QuantizedLinears:
+    """Switch every linear whose checkpoint tensors are all ``formats`` of one supported block
+    format to that format (``formats``: checkpoint name -> GGML type name), and log the outcome."""
+    outcome = QuantizedLinears()
+    for module_name, module in model.named_modules():
+        if not isinstance(module, QuantizableLinear):
+            continue
+        names = checkpoint_names(module_name, module, "weight")
+        stored = {formats.get(name) for name in names}
+        if stored == {None}:
+            continue  # stored 16/32-bit
+        if len(stored) > 1:
+            why = f"its parts are stored in different formats ({sorted(map(str, stored))})"
+            outcome.dequantized.update(dict.fromkeys(names, why))
+            continue
+        (type_name,) = stored
+        fmt = QUANT_FORMATS.get(str(type_name))
+        if fmt is None:
+            raise ModelLoadError(
+                f"{names[0]} is stored as GGUF type {type_name}, which platform-core does not "
+                f"compute on quantized (supported: {', '.join(QUANT_FORMATS)}); pass "
+                "quantization='none' (or a dtype) to run the model dequantized"
+            )
+        try:
+            module.keep_quantized(fmt)
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot keep {module_name} quantized: {exc}") from exc
+        outcome.kept.update(dict.fromkeys(names, fmt.name))
+    for name in sorted(set(formats) - set(outcome.kept) - set(outcome.dequantized)):
+        outcome.dequantized[name] = (
+            "not a linear projection (embeddings, and an output head tied to them or stored "
+            "like them, run 16/32-bit)"
+        )
+    for name, why in sorted(outcome.dequantized.items()):
+        logger.info("quantization gguf: %s (%s) runs dequantized: %s", name, formats[name], why)
+    logger.info(
+        "quantization gguf: %s; %d quantized tensor(s) dequantized",
+        quantized_summary(model) or "no linear kept quantized",
+        len(outcome.dequantized),
+    )
+    return outcome
