@@ -143,10 +143,15 @@ def test_fused_parts_in_different_formats_run_dequantized_and_say_so(cache, capl
     assert "model.embed_tokens.weight (Q4_1) runs dequantized: not a linear" in log
 
 
-def test_quantization_is_chosen_from_the_checkpoint_and_the_dtype(cache, tiny_model_dir):
+def test_quantization_is_chosen_from_the_checkpoint_the_dtype_and_the_backend(
+    cache, tiny_model_dir, caplog
+):
     model_dir = _materialize(cache / "q.gguf", qtype=GGML.Q8_0)
-    assert _generate(model_dir, backend="template")[1].quantization is not None
-    assert _generate(model_dir, backend="template", dtype="float32")[1].quantization is None
+    with caplog.at_level(logging.INFO, logger="platform_core.engine"):
+        # the template backend has no quantized_linear of its own: auto dequantizes once
+        assert _generate(model_dir, backend="template")[1].quantization is None
+    assert "backend template has no quantized_linear kernel of its own" in caplog.text
+    assert _generate(model_dir, backend="template", quantization="gguf")[1].quantization
     with pytest.raises(ConfigError, match="keeps no quantized tensors"):
         LLM(str(tiny_model_dir("llama")), quantization="gguf")
     with pytest.raises(ConfigError, match="quantization='int3' is not supported"):
@@ -156,7 +161,7 @@ def test_quantization_is_chosen_from_the_checkpoint_and_the_dtype(cache, tiny_mo
 def test_a_linear_in_a_format_we_cannot_compute_on_is_refused_naming_it(cache):
     model_dir = _materialize(cache / "q5.gguf", qtype=GGML.Q5_0)
     with pytest.raises(ModelLoadError, match=r"GGUF type Q5_0.*quantization='none'"):
-        LLM(str(model_dir), backend="template")
+        LLM(str(model_dir), backend="template", quantization="gguf")
     dense, runner = _generate(model_dir, backend="template", quantization="none")
     assert runner.quantization is None and len(dense[0].token_ids) == PARAMS.max_tokens
 

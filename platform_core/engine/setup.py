@@ -60,9 +60,16 @@ def apply_auto_dtype(config: EngineConfig, backend: Backend) -> EngineConfig:
     return config.replace(dtype=target)
 
 
-def resolve_quantization(config: EngineConfig, model_dir: Path) -> EngineConfig:
-    """``quantization`` None: ``"gguf"`` for a checkpoint with quantized blocks unless a dtype
-    was asked for, else ``"none"`` (logged); ``"gguf"`` without blocks is a ConfigError."""
+def resolve_quantization(
+    config: EngineConfig, model_dir: Path, backend: Backend, dtype_was_auto: bool
+) -> EngineConfig:
+    """``quantization`` None: ``"gguf"`` for a checkpoint with quantized blocks on a backend
+    with its own ``quantized_linear`` op, unless a dtype was asked for; else ``"none"``
+    (logged). ``"gguf"`` without blocks is a ConfigError.
+
+    Without its own op a backend would dequantize every weight on every step (the reference
+    op): slower than dequantizing once at load, so ``auto`` does that instead.
+    """
     from platform_core.models.quantized_checkpoint import quantized_formats
 
     asked = config.model.quantization
@@ -72,22 +79,24 @@ def resolve_quantization(config: EngineConfig, model_dir: Path) -> EngineConfig:
             f"quantization='gguf' needs a quantized GGUF checkpoint; {model_dir} keeps no "
             "quantized tensors"
         )
-    if asked is not None:
-        return config
-    if not formats:
-        return config.replace(quantization="none")
-    if config.model.dtype != "auto":
+    if asked is not None or not formats:
+        return config.replace(quantization=asked or "none")
+    if not dtype_was_auto:
+        why = f"dtype={config.model.dtype} was asked for"
+    elif "quantized_linear" not in backend.op_overrides():
+        why = f"backend {backend.name} has no quantized_linear kernel of its own"
+    else:
         logger.info(
-            "quantization none: dtype=%s was asked for, so the checkpoint's quantized tensors "
-            "run dequantized (pass quantization='gguf' to keep them)",
-            config.model.dtype,
+            "quantization gguf: the checkpoint's quantized linears compute on their blocks "
+            "(pass quantization='none' or a dtype to dequantize them)"
         )
-        return config.replace(quantization="none")
+        return config.replace(quantization="gguf")
     logger.info(
-        "quantization gguf: the checkpoint's quantized linears compute on their blocks (pass "
-        "quantization='none' or a dtype to dequantize them)"
+        "quantization none: %s, so the checkpoint's quantized tensors run dequantized (pass "
+        "quantization='gguf' to keep them)",
+        why,
     )
-    return config.replace(quantization="gguf")
+    return config.replace(quantization="none")
 
 
 def apply_backend_adjustments(config: EngineConfig, backend: Backend) -> EngineConfig:
@@ -174,13 +183,13 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
 
     model_dir = resolve_model_path(config.model.model)
     hf_config = load_hf_config(model_dir, config.model.trust_remote_code)
-    config = resolve_quantization(config, model_dir)
     declared = dtype_from_config(hf_config, config.model.dtype)
     auto_dtype = config.model.dtype == "auto"
     config = config.replace(model=str(model_dir), dtype=str(declared).removeprefix("torch."))
 
     plugins = PluginManager()
     backend = plugins.create(config)
+    config = resolve_quantization(config, model_dir, backend, auto_dtype)
     if auto_dtype:
         config = apply_auto_dtype(config, backend)
     config = apply_backend_adjustments(config.replace(backend=backend.name), backend)
