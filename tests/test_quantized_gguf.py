@@ -38,6 +38,16 @@ def test_each_format_dequantizes_as_the_gguf_package_does(name):
     np.testing.assert_array_equal(ours, expected)
 
 
+def test_every_float16_scale_decodes_exactly():
+    """All 65,536 bit patterns of a Q8_0 scale (subnormals, infinities, NaNs), times q = 1."""
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    blocks = np.zeros((1 << 16, 34), dtype=np.uint8)
+    blocks[:, :2] = patterns.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2] = 1
+    ours = dequantize(torch.from_numpy(blocks), QUANT_FORMATS["Q8_0"])[:, 0].numpy()
+    np.testing.assert_array_equal(ours, patterns.view(np.float16).astype(np.float32))
+
+
 def test_the_reference_op_keeps_the_input_dtype_and_adds_the_bias():
     rng = np.random.default_rng(1)
     qweight = torch.from_numpy(random_blocks(6, 64, GGML.Q4_1, rng))
@@ -100,6 +110,12 @@ def _generate(model_dir, **kwargs):
         return [o.outputs[0] for o in outputs], llm.engine.runner
 
 
+def _summary(qtype: str) -> str:
+    """The start-up summary of a tiny GGUF with every linear in ``qtype``: 4 linears per layer,
+    2 layers, and the tied embedding in Q8_0."""
+    return "quantized Q8_0 x 9" if qtype == "Q8_0" else f"quantized {qtype} x 8, Q8_0 x 1"
+
+
 def _assert_same(a, b):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     for x, y in zip(a, b, strict=True):
@@ -113,7 +129,7 @@ def test_a_model_on_blocks_through_the_reference_op_gives_the_dequantized_tokens
     model_dir = _materialize(cache / f"{qtype}.gguf", qtype=GGML[qtype], ffn=128)
     common = {"backend": "template", "dtype": "float32"}
     quantized, runner = _generate(model_dir, quantization="gguf", **common)
-    assert runner.quantization == f"quantized linears {qtype} x 8"  # 4 per layer, 2 layers
+    assert runner.quantization == _summary(qtype)
     dense, dense_runner = _generate(model_dir, quantization="none", **common)
     assert dense_runner.quantization is None
     assert runner.weights_bytes < dense_runner.weights_bytes
@@ -126,7 +142,7 @@ def test_k_quants_load_and_match_the_dequantized_model(cache, qtype):
     model_dir = _materialize(cache / f"{qtype}.gguf", qtype=GGML[qtype], hidden=256, ffn=512)
     common = {"backend": "template", "dtype": "float32"}
     quantized, runner = _generate(model_dir, quantization="gguf", **common)
-    assert runner.quantization == f"quantized linears {qtype} x 8"
+    assert runner.quantization == _summary(qtype)
     _assert_same(quantized, _generate(model_dir, quantization="none", **common)[0])
 
 
@@ -134,13 +150,13 @@ def test_fused_parts_in_different_formats_run_dequantized_and_say_so(cache, capl
     model_dir = _materialize(cache / "mixed.gguf", types={"blk.0.attn_v.weight": GGML.Q8_0})
     with caplog.at_level(logging.INFO, logger="platform_core.models"):
         _, runner = _generate(model_dir, backend="template", dtype="float32", quantization="gguf")
-    # layer 0: q and k are Q4_1, v Q8_0; o_proj Q8_0, gate/up and down Q4_1; layer 1 is F16
-    assert runner.quantization == "quantized linears Q4_1 x 2, Q8_0 x 1"
+    # layer 0: q and k are Q4_1, v Q8_0; o_proj Q8_0, gate/up and down Q4_1; layer 1 is F16;
+    # the tied embedding Q4_1
+    assert runner.quantization == "quantized Q4_1 x 3, Q8_0 x 1"
     log = caplog.text
     for part in ("q_proj", "k_proj", "v_proj"):
         assert f"model.layers.0.self_attn.{part}.weight" in log
-    assert "different formats" in log
-    assert "model.embed_tokens.weight (Q4_1) runs dequantized: not a linear" in log
+    assert "different formats" in log and "embed_tokens" not in log
 
 
 def test_quantization_is_chosen_from_the_checkpoint_the_dtype_and_the_backend(
@@ -167,9 +183,11 @@ def test_a_linear_in_a_format_we_cannot_compute_on_is_refused_naming_it(cache):
 
 
 def test_tensor_parallel_ranks_hold_their_blocks_and_give_one_rank_tokens(cache):
-    model_dir = _materialize(cache / "tp.gguf", qtype=GGML.Q4_1, ffn=128)
+    """Row shards, whole-block column shards and vocabulary shards of an untied output head."""
+    model_dir = _materialize(cache / "tp.gguf", qtype=GGML.Q4_1, ffn=128, tied=False)
     common = {"backend": "template", "dtype": "float32", "quantization": "gguf"}
     one, _ = _generate(model_dir, **common)
     two, runner = _generate(model_dir, tensor_parallel_size=2, **common)
-    assert runner.quantization == "quantized linears Q4_1 x 8"
+    assert runner.quantization == "quantized Q4_1 x 9, Q8_0 x 1"  # the head is Q4_1 too
     _assert_same(two, one)
+    _assert_same(one, _generate(model_dir, backend="template", dtype="float32")[0])

@@ -1,7 +1,9 @@
 """Vocabulary-parallel token table: the input embedding and the (tied or own) output head.
 
 Each rank holds a contiguous range of vocabulary rows; the vocabulary is padded up to a multiple
-of the tensor-parallel size, and the padding rows are zero and never loaded.
+of the tensor-parallel size, and the padding rows are zero and never loaded. The table may be
+kept quantized (``keep_quantized``): looked-up rows are dequantized, and the output head runs
+the ``quantized_linear`` op on the blocks.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
-from platform_core.layers.linear import LinearFn
-from platform_core.layers.module import LayerModule
+from platform_core.layers.linear import LinearFn, QuantizableWeight
+from platform_core.layers.quant_formats import QuantizedLinearFn, dequantize, quantized_linear
 from platform_core.layers.sharding import Placement, Shard
 
 
-class VocabParallelEmbedding(LayerModule):
+class VocabParallelEmbedding(QuantizableWeight):
     """A ``[vocab, hidden]`` table split by vocabulary rows over the ranks of ``tp``.
 
     ``forward`` looks ids up (each rank contributes the rows it holds, then an all-reduce);
@@ -30,8 +32,10 @@ class VocabParallelEmbedding(LayerModule):
         dtype: torch.dtype,
         tp: TPGroup,
         linear: LinearFn = F.linear,
+        quantized: QuantizedLinearFn = quantized_linear,
     ) -> None:
         super().__init__()
+        self.dtype = dtype
         start, length, padded = tp.padded_shard_range(vocab_size)
         self.vocab_size = vocab_size
         self.shard = Shard(start, length, vocab_size)
@@ -42,6 +46,7 @@ class VocabParallelEmbedding(LayerModule):
             self.weight[length:].zero_()
         self._communicator = tp.communicator if tp.is_parallel else None
         self._linear = linear
+        self._quantized_linear = quantized
 
     def placements(self, param_name: str) -> tuple[Placement, ...]:
         """This rank's vocabulary rows fill the start of the table."""
@@ -50,18 +55,26 @@ class VocabParallelEmbedding(LayerModule):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` ids -> ``[T, hidden]`` embeddings (the full rows, on every rank)."""
         if self._communicator is None:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.shard.start
         elsewhere = (local < 0) | (local >= self.shard.length)
-        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        rows = self._rows(local.masked_fill(elsewhere, 0))
         rows.masked_fill_(elsewhere.unsqueeze(-1), 0)
         return self._communicator.all_reduce(rows)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        return dequantize(self.weight.index_select(0, ids), self.quant, self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` over the full vocabulary in the model's dtype, on every
         rank (the sampler widens to float32 only what it computes with: a greedy row's argmax
         reads the model's dtype as it is)."""
-        logits = self._linear(hidden, self.weight, None)
+        if self.quant is None:
+            logits = self._linear(hidden, self.weight, None)
+        else:
+            logits = self._quantized_linear(hidden, self.weight, self.quant, None)
         if self._communicator is not None:
             logits = self._communicator.all_gather(logits, dim=-1)[..., : self.vocab_size]
         return logits
@@ -69,4 +82,4 @@ class VocabParallelEmbedding(LayerModule):
     def extra_repr(self) -> str:
         shard = self.shard
         rows = f"{shard.start}:{shard.start + shard.length} of {shard.full}"
-        return f"vocab={rows}, hidden={self.weight.shape[1]}"
+        return f"vocab={rows}{self._quant_repr()}"

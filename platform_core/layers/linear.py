@@ -28,20 +28,32 @@ def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-class QuantizableLinear(LayerModule):
-    """What both linears share: the projection through the 16/32-bit or the quantized op."""
+class QuantizableWeight(LayerModule):
+    """A layer whose ``[rows, columns]`` weight may be kept in a block format instead."""
 
     weight: nn.Parameter
-    _linear: LinearFn
-    _quantized_linear: QuantizedLinearFn
     #: the format the weight is kept in, or None for a 16/32-bit weight
     quant: QuantFormat | None = None
 
     def keep_quantized(self, fmt: QuantFormat) -> None:
-        """Hold the weight as ``fmt`` blocks (``uint8 [rows, row_bytes]``, to be loaded)."""
+        """Hold the weight as ``fmt`` blocks (``uint8 [rows, row_bytes]``, zero until loaded:
+        zero blocks are zero weights)."""
         rows, columns = self.weight.shape
-        self.weight = _parameter(rows, fmt.row_bytes(columns), dtype=torch.uint8)
+        blocks = torch.zeros(
+            rows, fmt.row_bytes(columns), dtype=torch.uint8, device=self.weight.device
+        )
+        self.weight = nn.Parameter(blocks, requires_grad=False)
         self.quant = fmt
+
+    def _quant_repr(self) -> str:
+        return "" if self.quant is None else f", quant={self.quant.name}"
+
+
+class QuantizableLinear(QuantizableWeight):
+    """What both linears share: the projection through the 16/32-bit or the quantized op."""
+
+    _linear: LinearFn
+    _quantized_linear: QuantizedLinearFn
 
     @property
     def in_features(self) -> int:
@@ -53,9 +65,6 @@ class QuantizableLinear(LayerModule):
         if self.quant is None:
             return self._linear(x, self.weight, bias)
         return self._quantized_linear(x, self.weight, self.quant, bias)
-
-    def _quant_repr(self) -> str:
-        return "" if self.quant is None else f", quant={self.quant.name}"
 
 
 class ColumnParallelLinear(QuantizableLinear):

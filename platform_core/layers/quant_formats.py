@@ -89,8 +89,25 @@ def random_blocks(
 
 
 def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The float16 at byte ``offset`` of every block, as float32 ``[..., 1]``."""
-    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+    """The float16 at byte ``offset`` of every block, as float32 ``[..., 1]``.
+
+    Decoded from its bits with arithmetic, exactly: reinterpreting bytes as float16 (a dtype
+    view) cannot be traced, and the CPU backend traces one-token steps, embedding lookups
+    included.
+    """
+    bits = blocks[..., offset].to(torch.int32) | (blocks[..., offset + 1].to(torch.int32) << 8)
+    exponent = (bits >> 10) & 0x1F
+    fraction = (bits & 0x3FF).float() / 1024.0
+    normal = torch.ldexp(1.0 + fraction, exponent - 15)
+    value = torch.where(exponent == 0, torch.ldexp(fraction, torch.full_like(bits, -14)), normal)
+    special = torch.where(fraction == 0, torch.inf, torch.nan)
+    value = torch.where(exponent == 0x1F, special, value)
+    return torch.where((bits >> 15) == 1, -value, value).unsqueeze(-1)
+
+
+def _signed(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes read as int8 (two's complement), as float32."""
+    return ((packed.to(torch.int32) ^ 0x80) - 0x80).float()
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -99,7 +116,7 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    return _half(blocks, 0) * blocks[..., 2:].view(torch.int8).float()
+    return _half(blocks, 0) * _signed(blocks[..., 2:])
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -130,7 +147,7 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     low = blocks[..., :128].unflatten(-1, (2, 2, 32)).to(torch.int32)  # half, ql 0/32, l
     high = blocks[..., 128:192].unflatten(-1, (2, 1, 32)).to(torch.int32)  # half, -, l
-    scales = blocks[..., 192:208].view(torch.int8).float()
+    scales = _signed(blocks[..., 192:208])
     d = _half(blocks, 208)
     # Within a half, the four 32-weight quarters take the low nibbles of ql[0:32] and
     # ql[32:64], then their high nibbles, with 2-bit pairs 0, 1, 2, 3 of qh.
@@ -153,9 +170,12 @@ def dequantize(
         raise ValueError(
             f"quantized weights are uint8 [rows, bytes], got {qweight.dtype} {tuple(qweight.shape)}"
         )
-    if qweight.shape[1] % fmt.block_bytes:
-        raise ValueError(f"a row of {qweight.shape[1]} bytes is not whole {fmt.name} blocks")
-    blocks = qweight.unflatten(1, (-1, fmt.block_bytes))
+    try:  # no test of the row's length here: it would stop the CPU backend's trace
+        blocks = qweight.unflatten(1, (-1, fmt.block_bytes))
+    except RuntimeError as exc:
+        raise ValueError(
+            f"a row of {qweight.shape[1]} bytes is not whole {fmt.name} blocks"
+        ) from exc
     return _DEQUANTIZERS[fmt.name](blocks).flatten(1).to(dtype)
 
 

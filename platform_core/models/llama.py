@@ -144,7 +144,12 @@ class LlamaModel(LayerModule):
         super().__init__()
         spec, dtype = build.spec, build.dtype
         self.embed_tokens = VocabParallelEmbedding(
-            spec.vocab_size, spec.hidden_size, dtype, build.tp, build.ops.linear
+            spec.vocab_size,
+            spec.hidden_size,
+            dtype,
+            build.tp,
+            build.ops.linear,
+            build.ops.quantized_linear,
         )
         self.rotary_emb = RotaryEmbedding(spec.head_size, spec.max_position, spec.rope, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(build) for _ in range(spec.num_layers))
@@ -202,7 +207,7 @@ class LlamaForCausalLM(LayerModule):
         self.lm_head: VocabParallelEmbedding | None = None
         if not spec.tie_embeddings:
             self.lm_head = VocabParallelEmbedding(
-                spec.vocab_size, spec.hidden_size, dtype, tp, ops.linear
+                spec.vocab_size, spec.hidden_size, dtype, tp, ops.linear, ops.quantized_linear
             )
 
     @classmethod

@@ -5,7 +5,7 @@ parameter of the same name, one part of a fused linear such as the ``q_proj`` ro
 ``qkv_proj``, and under tensor parallelism only this rank's rows or columns). Only the slot's
 part of the tensor is read from the file, after checking the tensor's full shape. Any checkpoint
 tensor with no slot, any slot left unfilled, or a shape mismatch is a ModelLoadError naming it.
-With ``quantization="gguf"`` the linears that keep their blocks (:mod:`.quantized_linears`) are
+With ``quantization="gguf"`` the weights that keep their blocks (:mod:`.quantized_weights`) are
 filled from ``quantized/model.safetensors`` instead of the dequantized tensors of the same names.
 """
 
@@ -28,7 +28,7 @@ from platform_core.errors import ConfigError, ModelLoadError
 from platform_core.layers.sharding import Placement, whole_placement
 from platform_core.models.checkpoint_names import checkpoint_names
 from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
-from platform_core.models.quantized_linears import keep_linears_quantized
+from platform_core.models.quantized_weights import keep_weights_quantized
 from platform_core.models.registry import CausalLM, get_model_class
 from platform_core.plugins.interfaces import AttentionOps
 
@@ -62,7 +62,7 @@ def load_model(
     quantization: str | None = None,
 ) -> CausalLM:
     """Build ``hf_config``'s architecture on ``device`` in ``dtype`` and load its weights; with
-    ``quantization="gguf"`` the linears keep the checkpoint's blocks where they can (logged).
+    ``quantization="gguf"`` the layers keep the checkpoint's blocks where they can (logged).
 
     With a ``tp`` group of several ranks, builds and loads this rank's shard only.
     """
@@ -77,7 +77,7 @@ def load_model(
                 f"quantization='gguf' needs a quantized GGUF checkpoint; {model_dir} keeps no "
                 "quantized tensors"
             )
-        kept = frozenset(keep_linears_quantized(model, formats).kept)
+        kept = frozenset(keep_weights_quantized(model, formats).kept)
     load_weights(model, Path(model_dir), kept)
     return model.eval()
 

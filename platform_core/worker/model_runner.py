@@ -16,7 +16,7 @@ import torch
 
 from platform_core.config import EngineConfig
 from platform_core.layers.ops import resolve_ops
-from platform_core.models.quantized_linears import quantized_linears, quantized_summary
+from platform_core.models.quantized_weights import quantized_layers, quantized_summary
 from platform_core.plugins.interfaces import Backend, MemoryReport
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -91,13 +91,14 @@ class ModelRunner:
     def parameter_count(self) -> int:
         """The model's weights, counting each quantized one by its values, not its bytes."""
         return sum(p.numel() for p in self.model.parameters()) + sum(
-            m.weight.shape[0] * m.in_features - m.weight.numel()
-            for m in quantized_linears(self.model)
+            m.weight.shape[0] * m.quant.in_features(m.weight.shape[1]) - m.weight.numel()
+            for m in quantized_layers(self.model)
+            if m.quant
         )
 
     @property
     def quantization(self) -> str | None:
-        """``"quantized linears Q4_1 x 210"``, or None when no weight is kept quantized."""
+        """``"quantized Q4_1 x 120, Q8_0 x 1"``, or None when no weight is kept quantized."""
         return quantized_summary(self.model)
 
     @property

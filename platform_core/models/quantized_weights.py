@@ -1,11 +1,11 @@
-"""Which linears of a built model keep their checkpoint's quantized blocks, and why others do not.
+"""Which weights of a built model keep their checkpoint's quantized blocks, and why others do not.
 
-With ``quantization="gguf"`` every linear whose checkpoint tensors are all stored in one block
-format that a ``quantized_linear`` op computes on (:data:`QUANT_FORMATS`) keeps its weight in
-that format; the loader then fills it from ``quantized/model.safetensors``. What stays 16/32-bit:
-the embedding (rows are looked up, not multiplied) and the output head tied to it or stored beside
-it, and a fused projection whose parts were stored in different formats (one weight holds one
-format). A linear stored in a block format we cannot compute on is refused, naming the format.
+With ``quantization="gguf"`` every linear, and the token embedding (the output head too, tied to
+it or not), whose checkpoint tensors are all stored in one block format that the
+``quantized_linear`` op computes on (:data:`QUANT_FORMATS`) keeps its weight in that format; the
+loader then fills it from ``quantized/model.safetensors``. A fused projection whose parts were
+stored in different formats runs dequantized (one weight holds one format), logged. A weight
+stored in a block format we cannot compute on is refused, naming the format.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from platform_core.errors import ModelLoadError
-from platform_core.layers.linear import QuantizableLinear
+from platform_core.layers.linear import QuantizableWeight
 from platform_core.layers.quant_formats import QUANT_FORMATS
 from platform_core.models.checkpoint_names import checkpoint_names
 
@@ -25,32 +25,32 @@ logger = logging.getLogger("platform_core.models")
 
 
 @dataclass
-class QuantizedLinears:
+class QuantizedWeights:
     """The outcome: checkpoint names now loaded as blocks, and what was dequantized and why."""
 
     kept: dict[str, str] = field(default_factory=dict)  # checkpoint name -> format
     dequantized: dict[str, str] = field(default_factory=dict)  # checkpoint name -> why
 
 
-def quantized_linears(model: nn.Module) -> list[QuantizableLinear]:
-    """The model's linears that keep a quantized weight."""
-    return [m for m in model.modules() if isinstance(m, QuantizableLinear) and m.quant]
+def quantized_layers(model: nn.Module) -> list[QuantizableWeight]:
+    """The model's layers that keep a quantized weight."""
+    return [m for m in model.modules() if isinstance(m, QuantizableWeight) and m.quant]
 
 
 def quantized_summary(model: nn.Module) -> str | None:
-    """``"quantized linears Q4_1 x 210"`` (each fused linear counted once), or None."""
-    counts = Counter(m.quant.name for m in quantized_linears(model) if m.quant)
+    """``"quantized Q4_1 x 120, Q8_0 x 1"`` (each fused layer counted once), or None."""
+    counts = Counter(m.quant.name for m in quantized_layers(model) if m.quant)
     if not counts:
         return None
-    return "quantized linears " + ", ".join(f"{f} x {n}" for f, n in sorted(counts.items()))
+    return "quantized " + ", ".join(f"{f} x {n}" for f, n in sorted(counts.items()))
 
 
-def keep_linears_quantized(model: nn.Module, formats: dict[str, str]) -> QuantizedLinears:
-    """Switch every linear whose checkpoint tensors are all ``formats`` of one supported block
+def keep_weights_quantized(model: nn.Module, formats: dict[str, str]) -> QuantizedWeights:
+    """Switch every layer whose checkpoint tensors are all ``formats`` of one supported block
     format to that format (``formats``: checkpoint name -> GGML type name), and log the outcome."""
-    outcome = QuantizedLinears()
+    outcome = QuantizedWeights()
     for module_name, module in model.named_modules():
-        if not isinstance(module, QuantizableLinear):
+        if not isinstance(module, QuantizableWeight):
             continue
         names = checkpoint_names(module_name, module, "weight")
         stored = {formats.get(name) for name in names}
@@ -74,15 +74,12 @@ def keep_linears_quantized(model: nn.Module, formats: dict[str, str]) -> Quantiz
             raise ModelLoadError(f"cannot keep {module_name} quantized: {exc}") from exc
         outcome.kept.update(dict.fromkeys(names, fmt.name))
     for name in sorted(set(formats) - set(outcome.kept) - set(outcome.dequantized)):
-        outcome.dequantized[name] = (
-            "not a linear projection (embeddings, and an output head tied to them or stored "
-            "like them, run 16/32-bit)"
-        )
+        outcome.dequantized[name] = "no layer of the model computes on it quantized"
     for name, why in sorted(outcome.dequantized.items()):
         logger.info("quantization gguf: %s (%s) runs dequantized: %s", name, formats[name], why)
     logger.info(
         "quantization gguf: %s; %d quantized tensor(s) dequantized",
-        quantized_summary(model) or "no linear kept quantized",
+        quantized_summary(model) or "no weight kept quantized",
         len(outcome.dequantized),
     )
     return outcome
