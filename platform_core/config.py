@@ -17,16 +17,18 @@ import yaml
 from platform_core.errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-# "gguf": linears keep a quantized GGUF's blocks; "none": every weight dequantized.
-QUANTIZATIONS = ("gguf", "none")
+# "gguf": layers keep a quantized GGUF's blocks; "int8" / "int4": 16/32-bit weights quantized
+# at load time (Q8_0 / Q4_1 blocks); "none": every weight 16/32-bit.
+QUANTIZATIONS = ("gguf", "int8", "int4", "none")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Which model to load and how.
 
-    ``quantization`` None (the default) keeps a quantized GGUF's linears quantized unless a
-    ``dtype`` other than ``auto`` was asked for; ``"gguf"`` requires that, ``"none"`` dequantizes.
+    ``quantization`` None (the default) keeps a quantized GGUF's layers quantized unless a
+    ``dtype`` other than ``auto`` was asked for; ``"gguf"`` requires that, ``"int8"`` and
+    ``"int4"`` quantize 16/32-bit weights at load time, ``"none"`` dequantizes.
     """
 
     model: str | None = None

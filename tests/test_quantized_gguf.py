@@ -19,7 +19,14 @@ from platform_core import LLM, SamplingParams
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.errors import ConfigError, ModelLoadError
 from platform_core.layers.linear import RowParallelLinear
-from platform_core.layers.quant_formats import Q4_1, QUANT_FORMATS, dequantize, quantized_linear
+from platform_core.layers.quant_formats import (
+    Q4_1,
+    Q8_0,
+    QUANT_FORMATS,
+    dequantize,
+    quantize,
+    quantized_linear,
+)
 from platform_core.models.gguf_loader import CACHE_ENV, materialize_gguf
 from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
 
@@ -191,3 +198,57 @@ def test_tensor_parallel_ranks_hold_their_blocks_and_give_one_rank_tokens(cache)
     assert runner.quantization == "quantized Q4_1 x 9, Q8_0 x 1"  # the head is Q4_1 too
     _assert_same(two, one)
     _assert_same(one, _generate(model_dir, backend="template", dtype="float32")[0])
+
+
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1], ids=lambda f: f.name)
+def test_quantizing_rounds_to_the_nearest_step_like_the_gguf_package(fmt):
+    weights = torch.randn(16, 256) * torch.linspace(0.01, 3, 256)  # scales differ per block
+    blocks = quantize(weights, fmt)
+    restored = dequantize(blocks, fmt)
+    groups = weights.unflatten(1, (-1, 32))
+    levels = 254 if fmt is Q8_0 else 15
+    span = groups.amax(-1) - groups.amin(-1) if fmt is Q4_1 else 2 * groups.abs().amax(-1)
+    step = (span / levels).repeat_interleave(32, dim=1)
+    assert ((restored - weights).abs() <= 0.5 * step * 1.01 + 1e-6).all()  # float16 scales
+    theirs = torch.from_numpy(gguf.quants.quantize(weights.numpy(), GGML[fmt.name]))
+    assert ((restored - dequantize(theirs, fmt)).abs() <= step * 1.01).all()
+    assert (blocks == theirs).float().mean() > 0.95
+
+
+@pytest.mark.parametrize(
+    ("mode", "summary", "logprob_atol"),
+    [("int8", "quantized Q8_0 x 10", 0.05), ("int4", "quantized Q4_1 x 8, Q8_0 x 2", 0.3)],
+)
+def test_a_16_bit_checkpoint_quantized_at_load_time(tiny_model_dir, mode, summary, logprob_atol):
+    """Linears in Q8_0 / Q4_1, embedding and untied head in Q8_0; the first token of each
+    prompt (same context on both sides) is one the float model rates near its own best."""
+    model_dir = tiny_model_dir("llama")
+    first = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in [*PROMPTS, [7, 8], [200] * 9]]
+
+    def run(**kwargs):
+        with LLM(str(model_dir), backend="template", dtype="float32", **kwargs) as llm:
+            outputs = llm.generate(prompts, first, use_tqdm=False)
+            return [o.outputs[0] for o in outputs], llm.engine.runner
+
+    quantized, runner = run(quantization=mode)
+    assert runner.quantization == summary
+    dense, dense_runner = run()
+    assert runner.weights_bytes < dense_runner.weights_bytes / 2.5
+    for ours, theirs in zip(quantized, dense, strict=True):
+        token = ours.token_ids[0]
+        rated = theirs.logprobs[0]
+        assert token in rated, (token, rated)
+        assert abs(rated[token].logprob - ours.logprobs[0][token].logprob) < logprob_atol
+
+
+def test_load_time_quantization_under_tensor_parallelism_quantizes_each_ranks_part(
+    tiny_model_dir,
+):
+    """Column shards are quantized from their own columns: the same blocks as one rank's."""
+    model_dir = tiny_model_dir("llama")
+    common = {"backend": "template", "dtype": "float32", "quantization": "int4"}
+    one, _ = _generate(model_dir, **common)
+    two, runner = _generate(model_dir, tensor_parallel_size=2, **common)
+    assert runner.quantization == "quantized Q4_1 x 8, Q8_0 x 2"
+    _assert_same(two, one)

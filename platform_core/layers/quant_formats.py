@@ -20,7 +20,8 @@ The layouts (``d``, ``m``, ``dmin`` are float16; ``q`` are the stored integers):
   pairs, 16 int8 scales (one per 16 weights), then ``d``; ``w = d * scale * (q - 32)``.
 
 :func:`quantized_linear` (dequantize, then ``F.linear``) is the reference every backend's
-``quantized_linear`` op is checked against.
+``quantized_linear`` op is checked against. :func:`quantize` makes Q8_0 and Q4_1 blocks from
+16/32-bit weights (``quantization="int8"`` / ``"int4"`` at load time).
 """
 
 from __future__ import annotations
@@ -177,6 +178,47 @@ def dequantize(
             f"a row of {qweight.shape[1]} bytes is not whole {fmt.name} blocks"
         ) from exc
     return _DEQUANTIZERS[fmt.name](blocks).flatten(1).to(dtype)
+
+
+def _half_bytes(values: torch.Tensor) -> torch.Tensor:
+    """float32 ``[..., 1]`` -> its float16's two bytes ``[..., 2]``."""
+    return values.to(torch.float16).view(torch.uint8)
+
+
+def _quantize_q8_0(groups: torch.Tensor) -> torch.Tensor:
+    scale = (groups.abs().amax(-1, keepdim=True) / 127).to(torch.float16).float()
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = _round_half_away(groups * inverse).clamp(-127, 127).to(torch.int16)
+    return torch.cat((_half_bytes(scale), (q & 0xFF).to(torch.uint8)), dim=-1)
+
+
+def _quantize_q4_1(groups: torch.Tensor) -> torch.Tensor:
+    low = groups.amin(-1, keepdim=True).to(torch.float16).float()
+    scale = ((groups.amax(-1, keepdim=True) - low) / 15).to(torch.float16).float()
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    q = _round_half_away((groups - low) * inverse).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return torch.cat((_half_bytes(scale), _half_bytes(low), packed), dim=-1)
+
+
+def _round_half_away(values: torch.Tensor) -> torch.Tensor:
+    return torch.sign(values) * torch.floor(values.abs() + 0.5)
+
+
+_QUANTIZERS = {"Q8_0": _quantize_q8_0, "Q4_1": _quantize_q4_1}
+QUANTIZABLE = tuple(_QUANTIZERS)
+
+
+def quantize(weights: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """``[rows, in_features]`` float weights -> ``uint8 [rows, row_bytes]`` blocks of ``fmt``
+    (one of :data:`QUANTIZABLE`): per 32 weights, Q8_0 keeps ``max |w| / 127`` and rounds to
+    the nearest step; Q4_1 keeps the minimum and ``(max - min) / 15`` (each float16, and the
+    rounding uses the float16 values, so the error is at most half a step)."""
+    if fmt.name not in _QUANTIZERS:
+        raise ValueError(f"cannot quantize to {fmt.name}; can: {QUANTIZABLE}")
+    fmt.row_bytes(weights.shape[1])  # a ValueError unless whole blocks
+    groups = weights.float().unflatten(1, (-1, fmt.block_size))
+    return _QUANTIZERS[fmt.name](groups).flatten(1)
 
 
 def quantized_linear(

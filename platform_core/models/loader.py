@@ -6,7 +6,9 @@ parameter of the same name, one part of a fused linear such as the ``q_proj`` ro
 part of the tensor is read from the file, after checking the tensor's full shape. Any checkpoint
 tensor with no slot, any slot left unfilled, or a shape mismatch is a ModelLoadError naming it.
 With ``quantization="gguf"`` the weights that keep their blocks (:mod:`.quantized_weights`) are
-filled from ``quantized/model.safetensors`` instead of the dequantized tensors of the same names.
+filled from ``quantized/model.safetensors`` instead of the dequantized tensors of the same names;
+a quantized weight read from 16/32-bit tensors (``"int8"``, ``"int4"``) is quantized as it is
+read, this rank's part only.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +27,15 @@ from tqdm import tqdm
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.errors import ConfigError, ModelLoadError
-from platform_core.layers.sharding import Placement, whole_placement
+from platform_core.layers.quant_formats import QuantFormat, quantize
+from platform_core.layers.sharding import Placement, Shard, whole_placement
 from platform_core.models.checkpoint_names import checkpoint_names
 from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
-from platform_core.models.quantized_weights import keep_weights_quantized
+from platform_core.models.quantized_weights import (
+    LOAD_TIME_FORMATS,
+    keep_weights_quantized,
+    load_time_formats,
+)
 from platform_core.models.registry import CausalLM, get_model_class
 from platform_core.plugins.interfaces import AttentionOps
 
@@ -69,7 +76,7 @@ def load_model(
     model_cls = get_model_class(hf_config)
     with torch.device(device):
         model = model_cls(hf_config, attention_ops, dtype, op_overrides, tp)
-    kept: frozenset[str] = frozenset()
+    blocks: frozenset[str] = frozenset()
     if quantization == "gguf":
         formats = quantized_formats(Path(model_dir))
         if not formats:
@@ -77,8 +84,10 @@ def load_model(
                 f"quantization='gguf' needs a quantized GGUF checkpoint; {model_dir} keeps no "
                 "quantized tensors"
             )
-        kept = frozenset(keep_weights_quantized(model, formats).kept)
-    load_weights(model, Path(model_dir), kept)
+        blocks = frozenset(keep_weights_quantized(model, formats).kept)
+    elif quantization in LOAD_TIME_FORMATS:
+        keep_weights_quantized(model, load_time_formats(model, quantization), quantization)
+    load_weights(model, Path(model_dir), blocks)
     return model.eval()
 
 
@@ -88,11 +97,28 @@ class _Slot:
 
     param: nn.Parameter
     placement: Placement
+    #: the block format of a quantized parameter
+    quant: QuantFormat | None = None
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The full shape the checkpoint tensor must have."""
-        return self.placement.checkpoint_shape(self.param)
+    def read(self, name: str, handle: Any) -> torch.Tensor:
+        """This slot's part of the checkpoint tensor ``name``, after checking its full shape;
+        for a quantized parameter, blocks (quantized here from 16/32-bit values, which the
+        checkpoint indexes by column where the parameter indexes by byte)."""
+        placement, fmt = self.placement, self.quant
+        expected = placement.checkpoint_shape(self.param)
+        from_values = fmt is not None and handle.get_dtype() != "U8"
+        if from_values:
+            assert fmt is not None
+            expected = (expected[0], fmt.in_features(expected[1]))
+            if placement.dim == 1:
+                source = placement.source
+                columns = Shard(*(fmt.in_features(n) for n in astuple(source)))
+                placement = Placement(1, columns, placement.dst_start)
+        shape = tuple(handle.get_shape())
+        if shape != expected:
+            raise ModelLoadError(f"weight {name!r} has shape {shape}, expected {expected}")
+        values = handle[placement.source_index()]
+        return quantize(values, fmt) if from_values and fmt is not None else values
 
 
 def load_weights(
@@ -113,12 +139,8 @@ def load_weights(
             if is_ignored(name):
                 continue
             raise ModelLoadError(f"unexpected weight {name!r} in {model_dir}")
-        shape = tuple(handle.get_shape())
-        if shape != slot.shape:
-            raise ModelLoadError(f"weight {name!r} has shape {shape}, expected {slot.shape}")
-        placement = slot.placement
         with torch.no_grad():
-            placement.destination(slot.param).copy_(handle[placement.source_index()])
+            slot.placement.destination(slot.param).copy_(slot.read(name, handle))
         filled.add(name)
     missing = sorted(set(slots) - filled)
     if missing:
@@ -139,8 +161,9 @@ def _checkpoint_slots(model: nn.Module) -> dict[str, _Slot]:
                 else (whole_placement(param),)
             )
             names = checkpoint_names(module_name, module, param_name)
+            quant = getattr(module, "quant", None) if param_name == "weight" else None
             for name, placement in zip(names, placements, strict=True):
-                slots[name] = _Slot(param, placement)
+                slots[name] = _Slot(param, placement, quant)
     return slots
 
 

@@ -6,6 +6,11 @@ it or not), whose checkpoint tensors are all stored in one block format that the
 loader then fills it from ``quantized/model.safetensors``. A fused projection whose parts were
 stored in different formats runs dequantized (one weight holds one format), logged. A weight
 stored in a block format we cannot compute on is refused, naming the format.
+
+With ``"int8"`` / ``"int4"`` the loader quantizes 16/32-bit weights as it reads them
+(:func:`load_time_formats`): linears to Q8_0 / Q4_1, the embedding and output head to Q8_0 in
+both (8 bits keep the logits close; they are a large share of a small model's bytes). A weight
+whose rows (or this rank's share of them) are not whole blocks of 32 stays 16/32-bit, logged.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from platform_core.errors import ModelLoadError
-from platform_core.layers.linear import QuantizableWeight
+from platform_core.layers.linear import QuantizableLinear, QuantizableWeight
 from platform_core.layers.quant_formats import QUANT_FORMATS
 from platform_core.models.checkpoint_names import checkpoint_names
 
@@ -45,9 +50,26 @@ def quantized_summary(model: nn.Module) -> str | None:
     return "quantized " + ", ".join(f"{f} x {n}" for f, n in sorted(counts.items()))
 
 
-def keep_weights_quantized(model: nn.Module, formats: dict[str, str]) -> QuantizedWeights:
+LOAD_TIME_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}
+
+
+def load_time_formats(model: nn.Module, mode: str) -> dict[str, str]:
+    """Checkpoint name -> format for quantizing at load time (``mode`` int8 or int4)."""
+    formats = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, QuantizableWeight):
+            fmt = LOAD_TIME_FORMATS[mode] if isinstance(module, QuantizableLinear) else "Q8_0"
+            formats.update(dict.fromkeys(checkpoint_names(module_name, module, "weight"), fmt))
+    return formats
+
+
+def keep_weights_quantized(
+    model: nn.Module, formats: dict[str, str], mode: str = "gguf"
+) -> QuantizedWeights:
     """Switch every layer whose checkpoint tensors are all ``formats`` of one supported block
-    format to that format (``formats``: checkpoint name -> GGML type name), and log the outcome."""
+    format to that format (``formats``: checkpoint name -> GGML type name), and log the outcome.
+    With ``mode`` "gguf" a layer that cannot hold its blocks is an error; quantizing at load
+    time it stays 16/32-bit."""
     outcome = QuantizedWeights()
     for module_name, module in model.named_modules():
         if not isinstance(module, QuantizableWeight):
@@ -71,14 +93,20 @@ def keep_weights_quantized(model: nn.Module, formats: dict[str, str]) -> Quantiz
         try:
             module.keep_quantized(fmt)
         except ValueError as exc:
-            raise ModelLoadError(f"cannot keep {module_name} quantized: {exc}") from exc
+            if mode == "gguf":
+                raise ModelLoadError(f"cannot keep {module_name} quantized: {exc}") from exc
+            outcome.dequantized.update(dict.fromkeys(names, str(exc)))
+            continue
         outcome.kept.update(dict.fromkeys(names, fmt.name))
     for name in sorted(set(formats) - set(outcome.kept) - set(outcome.dequantized)):
         outcome.dequantized[name] = "no layer of the model computes on it quantized"
     for name, why in sorted(outcome.dequantized.items()):
-        logger.info("quantization gguf: %s (%s) runs dequantized: %s", name, formats[name], why)
+        logger.info(
+            "quantization %s: %s (%s) is not kept quantized: %s", mode, name, formats[name], why
+        )
     logger.info(
-        "quantization gguf: %s; %d quantized tensor(s) dequantized",
+        "quantization %s: %s; %d tensor(s) not kept quantized",
+        mode,
         quantized_summary(model) or "no weight kept quantized",
         len(outcome.dequantized),
     )
