@@ -62,20 +62,12 @@ if TYPE_CHECKING:
         init_loopback_process_group,
     )
     from platform_core.kernels.triton.launch import LaunchParams, choose_num_splits
-    from platform_core.kernels.triton.ops import TritonAttentionOps
+    from platform_core.kernels.triton.ops import TritonAttentionOps, triton_op_overrides
     from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
     from platform_core.layers.argmax import ArgmaxFn, row_argmax
     from platform_core.layers.linear import LinearFn
     from platform_core.layers.norm import RmsNormFn, rms_norm
     from platform_core.layers.ops import OVERRIDABLE_OPS, LayerOps, resolve_ops
-    from platform_core.layers.quant_formats import (
-        QUANT_FORMATS,
-        QuantFormat,
-        QuantizedLinearFn,
-        dequantize,
-        quantized_linear,
-        random_blocks,
-    )
     from platform_core.layers.rotary import RotaryFn, apply_rotary
     from platform_core.plugins.accelerator import (
         AcceleratorBackend,
@@ -85,6 +77,14 @@ if TYPE_CHECKING:
         require_available,
     )
     from platform_core.plugins.manager import PluginManager
+    from platform_core.quantization.formats import (
+        QUANT_FORMATS,
+        QuantFormat,
+        QuantizedLinearFn,
+        dequantize,
+        quantized_linear,
+        random_blocks,
+    )
 
 __all__ = [  # noqa: RUF022 - grouped by topic, not sorted
     # the plugin contract (platform_core.plugins.hookspecs, .interfaces)
@@ -146,6 +146,7 @@ __all__ = [  # noqa: RUF022 - grouped by topic, not sorted
     "LaunchParams",
     "choose_num_splits",
     "TritonAttentionOps",
+    "triton_op_overrides",
     # what GPU-like backends share
     "AcceleratorBackend",
     "CachingAllocatorProfiler",
@@ -183,15 +184,16 @@ _LAZY = {
     "LinearFn": "platform_core.layers.linear",
     "row_argmax": "platform_core.layers.argmax",
     "ArgmaxFn": "platform_core.layers.argmax",
-    "quantized_linear": "platform_core.layers.quant_formats",
-    "QuantizedLinearFn": "platform_core.layers.quant_formats",
-    "QuantFormat": "platform_core.layers.quant_formats",
-    "QUANT_FORMATS": "platform_core.layers.quant_formats",
-    "dequantize": "platform_core.layers.quant_formats",
-    "random_blocks": "platform_core.layers.quant_formats",
+    "quantized_linear": "platform_core.quantization.formats",
+    "QuantizedLinearFn": "platform_core.quantization.formats",
+    "QuantFormat": "platform_core.quantization.formats",
+    "QUANT_FORMATS": "platform_core.quantization.formats",
+    "dequantize": "platform_core.quantization.formats",
+    "random_blocks": "platform_core.quantization.formats",
     "LaunchParams": "platform_core.kernels.triton.launch",
     "choose_num_splits": "platform_core.kernels.triton.launch",
     "TritonAttentionOps": "platform_core.kernels.triton.ops",
+    "triton_op_overrides": "platform_core.kernels.triton.ops",
     "AcceleratorBackend": "platform_core.plugins.accelerator",
     "CachingAllocatorProfiler": "platform_core.plugins.accelerator",
     "count_devices": "platform_core.plugins.accelerator",

@@ -20,9 +20,9 @@ from platform_core.attention.metadata import AttentionMetadata
 from platform_core.attention.reference import ReferenceAttentionOps, reference_write_kv
 from platform_core.config import EngineConfig
 from platform_core.layers.ops import LayerOps
-from platform_core.layers.quant_formats import QuantFormat, quantized_linear
 from platform_core.plugins.hookspecs import PLUGIN_API_VERSION, hookimpl
 from platform_core.plugins.interfaces import AttentionOps, Backend, BackendInfo, Capabilities
+from platform_core.quantization.formats import QuantFormat, quantized_linear
 
 CAPABILITIES = Capabilities(dtypes=("float32", "bfloat16"), head_sizes=(32,), block_sizes=(16,))
 DEFAULT_OPS = {name.name: getattr(LayerOps(), name.name) for name in dataclasses.fields(LayerOps)}

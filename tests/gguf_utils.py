@@ -9,8 +9,8 @@ import gguf
 import numpy as np
 import torch
 
-from platform_core.layers.quant_formats import QUANT_FORMATS
-from platform_core.layers.quant_formats import random_blocks as core_random_blocks
+from platform_core.quantization.formats import QUANT_FORMATS
+from platform_core.quantization.formats import random_blocks as core_random_blocks
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS, VOCAB = 64, 96, 4, 2, 2, 80
 

@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("triton", reason="the GPU backends' kernels are Triton kernels")
 
-CHECKS = "(test_write_kv or test_padding or test_paged_attention or test_gqa_ratios) and not long"
+KERNELS = "test_write_kv or test_padding or test_paged_attention or test_gqa_ratios"
+CHECKS = f"({KERNELS} or quantized_linear) and not long"
 
 
 @pytest.mark.parametrize(
@@ -38,6 +39,8 @@ def test_gpu_kernels_pass_under_the_triton_interpreter(
     assert doc["summary"]["passed"] == len(names) >= 12
     assert all(dtype in name for name in names)
     assert "test_gqa_ratios[" + dtype + "-gqa8-kv2]" in names
+    quantized = [name for name in names if "quantized_linear" in name]
+    assert len(quantized) >= 10 and any("Q4_1" in name for name in quantized), quantized
 
 
 def test_the_interpreter_must_be_on(tmp_path: Path) -> None:

@@ -19,7 +19,9 @@ from platform_core import LLM, SamplingParams
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.errors import ConfigError, ModelLoadError
 from platform_core.layers.linear import RowParallelLinear
-from platform_core.layers.quant_formats import (
+from platform_core.models.gguf_loader import CACHE_ENV, materialize_gguf
+from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
+from platform_core.quantization.formats import (
     Q4_1,
     Q8_0,
     QUANT_FORMATS,
@@ -27,8 +29,6 @@ from platform_core.layers.quant_formats import (
     quantize,
     quantized_linear,
 )
-from platform_core.models.gguf_loader import CACHE_ENV, materialize_gguf
-from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
 
 GGML = gguf.GGMLQuantizationType
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)

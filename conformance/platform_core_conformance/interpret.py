@@ -17,6 +17,7 @@ import dataclasses
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,7 +54,8 @@ GPUS = {
 
 
 class InterpretedBackend(Backend):
-    """The backend's Triton attention on the host; nothing else of the GPU backend runs."""
+    """The backend's Triton attention and layer ops on the host; nothing else of the GPU
+    backend runs."""
 
     process_group_backend = "gloo"
 
@@ -63,6 +65,11 @@ class InterpretedBackend(Backend):
         self.capabilities = capabilities
         self.attention = attention
         self.memory = None  # the device-free checks never profile
+
+    def op_overrides(self) -> dict[str, Any]:
+        from platform_core.backend_api import triton_op_overrides  # imports triton
+
+        return triton_op_overrides()
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.linear import LinearFn, QuantizableWeight
-from platform_core.layers.quant_formats import QuantizedLinearFn, dequantize, quantized_linear
 from platform_core.layers.sharding import Placement, Shard
+from platform_core.quantization.formats import QuantizedLinearFn, dequantize, quantized_linear
 
 
 class VocabParallelEmbedding(QuantizableWeight):

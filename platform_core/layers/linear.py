@@ -3,7 +3,7 @@
 Both hold only this rank's part of the weight and declare (``placements``) which part of which
 checkpoint tensor fills it; with a single rank the shards are whole and nothing communicates.
 Either may keep its weight quantized (:meth:`QuantizableLinear.keep_quantized`): the weight is
-then the rows' blocks as stored (:mod:`platform_core.layers.quant_formats`), sharded by rows or
+then the rows' blocks as stored (:mod:`platform_core.quantization.formats`), sharded by rows or
 by whole blocks of columns, and the forward runs the ``quantized_linear`` op.
 """
 
@@ -17,8 +17,8 @@ from torch import nn
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.module import LayerModule
-from platform_core.layers.quant_formats import QuantFormat, QuantizedLinearFn, quantized_linear
 from platform_core.layers.sharding import Placement, Shard
+from platform_core.quantization.formats import QuantFormat, QuantizedLinearFn, quantized_linear
 
 # ``F.linear``'s signature: ``(x, weight, bias) -> x @ weight.T (+ bias)``.
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]

@@ -9,8 +9,8 @@ from platform_core.distributed.parallel_state import TPGroup
 from platform_core.layers.activation import SiluAndMulFn
 from platform_core.layers.linear import ColumnParallelLinear, LinearFn, RowParallelLinear
 from platform_core.layers.module import LayerModule
-from platform_core.layers.quant_formats import QuantizedLinearFn, quantized_linear
 from platform_core.layers.sharding import Shard
+from platform_core.quantization.formats import QuantizedLinearFn, quantized_linear
 
 
 class GatedMLP(LayerModule):

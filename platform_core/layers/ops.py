@@ -7,7 +7,7 @@ Names and signatures:
 - ``"silu_and_mul"``: :data:`platform_core.layers.activation.SiluAndMulFn`
 - ``"linear"``: :data:`platform_core.layers.linear.LinearFn` (``F.linear``'s signature)
 - ``"argmax"``: :data:`platform_core.layers.argmax.ArgmaxFn` (the sampler's row argmax)
-- ``"quantized_linear"``: :data:`platform_core.layers.quant_formats.QuantizedLinearFn` (a
+- ``"quantized_linear"``: :data:`platform_core.quantization.formats.QuantizedLinearFn` (a
   linear on weights kept in a block format; since plugin API 1.4)
 """
 
@@ -25,8 +25,8 @@ from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
 from platform_core.layers.argmax import ArgmaxFn, row_argmax
 from platform_core.layers.linear import LinearFn
 from platform_core.layers.norm import RmsNormFn, rms_norm
-from platform_core.layers.quant_formats import QuantizedLinearFn, quantized_linear
 from platform_core.layers.rotary import RotaryFn, apply_rotary
+from platform_core.quantization.formats import QuantizedLinearFn, quantized_linear
 
 OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear", "argmax", "quantized_linear")
 

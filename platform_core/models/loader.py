@@ -27,7 +27,6 @@ from tqdm import tqdm
 
 from platform_core.distributed.parallel_state import TPGroup
 from platform_core.errors import ConfigError, ModelLoadError
-from platform_core.layers.quant_formats import QuantFormat, quantize
 from platform_core.layers.sharding import Placement, Shard, whole_placement
 from platform_core.models.checkpoint_names import checkpoint_names
 from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
@@ -38,6 +37,7 @@ from platform_core.models.quantized_weights import (
 )
 from platform_core.models.registry import CausalLM, get_model_class
 from platform_core.plugins.interfaces import AttentionOps
+from platform_core.quantization.formats import QuantFormat, quantize
 
 _INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -2,7 +2,7 @@
 
 A model folder materialized from a quantized GGUF holds, besides ``model.safetensors`` (every
 tensor dequantized), ``quantized/model.safetensors``: each tensor the GGUF stored quantized, as
-``uint8 [rows, row_bytes]`` exactly as stored (:mod:`platform_core.layers.quant_formats`), under
+``uint8 [rows, row_bytes]`` exactly as stored (:mod:`platform_core.quantization.formats`), under
 its Hugging Face name, with the GGML type of each in the file's metadata (``quant_formats``, a
 JSON object). Loading with ``quantization="gguf"`` fills the linears from these bytes.
 """

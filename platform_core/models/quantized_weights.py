@@ -23,8 +23,8 @@ from torch import nn
 
 from platform_core.errors import ModelLoadError
 from platform_core.layers.linear import QuantizableLinear, QuantizableWeight
-from platform_core.layers.quant_formats import QUANT_FORMATS
 from platform_core.models.checkpoint_names import checkpoint_names
+from platform_core.quantization.formats import QUANT_FORMATS
 
 logger = logging.getLogger("platform_core.models")
 

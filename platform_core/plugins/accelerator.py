@@ -62,8 +62,11 @@ class AcceleratorBackend(Backend):
     Makes the device current, keeps its properties (``properties``, for launch settings and
     capabilities), profiles memory through the module's caching allocator and synchronizes
     through the module. A subclass sets ``capabilities`` and ``attention`` after calling this
-    constructor, and ``process_group_backend``.
+    constructor, ``process_group_backend``, and ``layer_ops`` (its op overrides, e.g. the shared
+    Triton kernels' ``triton_op_overrides()``).
     """
+
+    layer_ops: dict[str, Any] = {}  # noqa: RUF012 - replaced, never mutated
 
     def __init__(self, name: str, device_type: str, device_module: Any) -> None:
         self.name = name
@@ -75,6 +78,10 @@ class AcceleratorBackend(Backend):
 
     def synchronize(self) -> None:
         self.device_module.synchronize(self.device)
+
+    def op_overrides(self) -> dict[str, Any]:
+        """The subclass's ``layer_ops``."""
+        return dict(self.layer_ops)
 
 
 def count_devices(device_module: Any, runtime: str) -> tuple[int, str | None]:

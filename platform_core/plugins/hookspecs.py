@@ -43,7 +43,7 @@ ENTRY_POINT_GROUP = "platform_core.backends"
 # What each minor added (a backend declaring an older one gets the defaults):
 # 1.1: Capabilities.auto_float32_dtype; 1.2: BackendInfo.details, Capabilities.auto_dtype_reason;
 # 1.3: platform_core.backend_api, Backend.communicator defaults to torch.distributed;
-# 1.4: Backend.before_step, the quantized_linear op (platform_core.layers.quant_formats).
+# 1.4: Backend.before_step, the quantized_linear op (platform_core.quantization.formats).
 PLUGIN_API_VERSION = (1, 4)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

@@ -77,7 +77,10 @@ class CudaBackend(AcceleratorBackend):
     process_group_backend = "nccl"
 
     def __init__(self) -> None:
-        from platform_core.backend_api import TritonAttentionOps  # imports triton
+        from platform_core.backend_api import (  # imports triton
+            TritonAttentionOps,
+            triton_op_overrides,
+        )
 
         super().__init__(BACKEND.name, "cuda", torch.cuda)
         props = self.properties
@@ -85,6 +88,7 @@ class CudaBackend(AcceleratorBackend):
         gpu = GpuInfo(props.name, self.compute_capability)
         self.capabilities = capabilities_for((gpu,), graphs_enabled())
         self.attention = TritonAttentionOps(cuda_launch_params(props.multi_processor_count))
+        self.layer_ops = triton_op_overrides()
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:
         return dtype_adjustments(config, self.compute_capability)

@@ -45,12 +45,16 @@ class RocmBackend(AcceleratorBackend):
     process_group_backend = "nccl"
 
     def __init__(self) -> None:
-        from platform_core.backend_api import TritonAttentionOps  # imports triton
+        from platform_core.backend_api import (  # imports triton
+            TritonAttentionOps,
+            triton_op_overrides,
+        )
 
         super().__init__(BACKEND.name, "cuda", torch.cuda)
         self.capabilities = CAPABILITIES
         units = self.properties.multi_processor_count
         self.attention = TritonAttentionOps(rocm_launch_params(units))
+        self.layer_ops = triton_op_overrides()
 
 
 @hookimpl

@@ -22,6 +22,7 @@ from platform_core.backend_api import (
     hookimpl,
     installed_version,
     require_available,
+    triton_installed,
 )
 from platform_core_xpu.probe import (
     BACKEND,
@@ -68,6 +69,10 @@ class XpuBackend(AcceleratorBackend):
         self.capabilities = CAPABILITIES
         xe_cores = getattr(self.properties, "gpu_subslice_count", 0)
         self.attention = build_attention(choice, xe_cores)
+        if triton_installed():  # the quantized linear's kernel (IPEX has none we use)
+            from platform_core.backend_api import triton_op_overrides  # imports triton
+
+            self.layer_ops = triton_op_overrides()
 
 
 @hookimpl

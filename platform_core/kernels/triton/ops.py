@@ -6,6 +6,9 @@ subclass it to replace one kernel (e.g. XPU's IPEX path) and keep the rest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from platform_core.attention.metadata import AttentionMetadata
@@ -52,3 +55,10 @@ class TritonAttentionOps(AttentionOps):
         q = query if query.dtype == kv_cache.dtype else query.to(kv_cache.dtype)
         out = paged_attention(q, kv_cache, metadata, scale, self.params, self.num_splits)
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+def triton_op_overrides() -> dict[str, Callable[..., Any]]:
+    """The layer ops the shared Triton kernels provide (for ``Backend.op_overrides``)."""
+    from platform_core.kernels.triton.quantized_linear import quantized_linear_op
+
+    return {"quantized_linear": quantized_linear_op}
