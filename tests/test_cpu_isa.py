@@ -27,6 +27,7 @@ ALDER_LAKE = AVX2 | {"avx_ne_convert", "avx_vnni"}
         (AVX512, ("generic", "avx2", "avx512")),
         (ZEN4, ("generic", "avx2", "avx512", "avx512_bf16")),
         (AVX2 | {"avx512_bf16"}, ("generic", "avx2")),  # levels build on each other
+        (ZEN4 - {"avx512_vnni"}, ("generic", "avx2", "avx512")),  # its build uses VNNI too
     ],
 )
 def test_supported_levels_follow_the_flags(flags, levels):

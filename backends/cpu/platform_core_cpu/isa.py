@@ -7,7 +7,9 @@ ones before it):
 - ``generic``: the compiler's baseline for the machine (any x86-64 or Arm CPU);
 - ``avx2``: AVX2 and FMA (x86-64-v3: Haswell, Zen 1 and later);
 - ``avx512``: AVX-512 F/BW/CD/DQ/VL (x86-64-v4: Skylake-X, Zen 4);
-- ``avx512_bf16``: AVX-512 plus AVX512-BF16 dot products (Cooper Lake, Sapphire Rapids, Zen 4).
+- ``avx512_bf16``: AVX-512 plus AVX512-BF16 dot products and AVX512-VNNI integer dot products
+  (Cooper Lake, Sapphire Rapids, Zen 4: every CPU with the first has the second; the quantized
+  linears use VNNI).
 
 The backend runs the highest level the CPU has, unless ``PLATFORM_CORE_CPU_ISA`` names a lower
 one: the way a CPU with AVX-512 runs (and tests) the AVX2 path. Forcing a level also makes the
@@ -34,7 +36,7 @@ _LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
     "generic": (),
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
-    "avx512_bf16": ("avx512_bf16",),
+    "avx512_bf16": ("avx512_bf16", "avx512_vnni"),
 }
 
 # Compiler flags of each level's build (GCC 11+ / Clang 12+ know the x86-64-v* names). Tuning
@@ -46,6 +48,7 @@ LEVEL_CFLAGS: dict[str, tuple[str, ...]] = {
     "avx512_bf16": (
         "-march=x86-64-v4",
         "-mavx512bf16",
+        "-mavx512vnni",
         "-mtune=native",
         "-mprefer-vector-width=512",
     ),

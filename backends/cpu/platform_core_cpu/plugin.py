@@ -90,10 +90,11 @@ class CpuBackend(Backend):
     def op_overrides(self) -> dict[str, Any]:
         """float32 and bf16 linears on this CPU's path
         (:class:`~platform_core_cpu.linear.CpuLinear`; other dtypes are unchanged), and the
-        compiled fused RMS norm, SiLU-and-multiply, rotary and argmax, unless on the torch
-        path."""
+        compiled fused RMS norm, SiLU-and-multiply, rotary, argmax and quantized linear
+        (:mod:`~platform_core_cpu.quantized_linear`), unless on the torch path."""
         from platform_core_cpu.layer_ops import fused_layer_ops
         from platform_core_cpu.linear import CpuLinear
+        from platform_core_cpu.quantized_linear import compiled_quantized_linear
 
         overrides: dict[str, Any] = {}
         compiled = self.attention.compiled_ops()
@@ -108,6 +109,7 @@ class CpuBackend(Backend):
             overrides["linear"] = linear
         if compiled is not None:
             overrides.update(fused_layer_ops(compiled))
+            overrides["quantized_linear"] = compiled_quantized_linear(compiled)
         return overrides
 
     def graph_runner(
@@ -164,11 +166,19 @@ def describe_paths(isa: CpuIsa) -> tuple[str, ...]:
         linears = (
             "bf16 linears: compiled, weights kept bf16 and widened in registers (no oneDNN bf16)"
         )
+    if isa.at_least("avx512_bf16"):
+        integer_dots = "VNNI"
+    elif isa.at_least("avx2"):
+        integer_dots = "AVX2"
+    else:
+        integer_dots = "plain loops"
     return (
         isa.describe(),
         f"levels this CPU runs: {', '.join(isa.supported)}",
         bf16_math,
         linears,
+        f"quantized linears: integer dot products ({integer_dots}) on the blocks as stored up to "
+        "32 rows, activations rounded to 8 bits per 32; more rows: dequantized into fp32 matmuls",
         "float32 linears: oneDNN on packed weights"
         if packed_linear_available()
         else "float32 linears: torch's F.linear (no oneDNN in this torch build)",

@@ -37,6 +37,11 @@ void rotary(const at::Tensor& query, const at::Tensor& key, const at::Tensor& co
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias);
 
+// x [M, K] (float32 or bf16, contiguous rows) times weights kept as GGML blocks of `format`
+// (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; uint8 [N, row_bytes]) transposed (+ bias); x's dtype [M, N].
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight,
+                            c10::string_view format, const c10::optional<at::Tensor>& bias);
+
 // torch.argmax(x, dim=-1) for float32 x [rows, n] with contiguous rows; int64 [rows].
 at::Tensor argmax_rows(const at::Tensor& x);
 

@@ -24,6 +24,8 @@ PLATFORM_CORE_CPU_LIBRARY(PLATFORM_CORE_CPU_NAMESPACE, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor", &platform_core_cpu::silu_and_mul);
   m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
         &platform_core_cpu::linear_bf16);
+  m.def("quantized_linear(Tensor x, Tensor qweight, str format, Tensor? bias) -> Tensor",
+        &platform_core_cpu::quantized_linear);
   m.def("argmax_rows(Tensor x) -> Tensor", &platform_core_cpu::argmax_rows);
   m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
         &platform_core_cpu::rotary);
