@@ -2,10 +2,12 @@
 (generic, AVX2, AVX-512, AVX-512 with VNNI; lower levels forced as ``PLATFORM_CORE_CPU_ISA``
 does), per block format, against the core's reference op.
 
-Up to 32 rows the kernel rounds each 32 activations to 8 bits and takes integer dot products:
+Up to 32 rows the kernel rounds each 32 activations to 8 bits (16 for Q8_0) and takes integer
+dot products:
 its output must equal the reference applied to activations rounded the same way (to float
 rounding of the sums), and stay within 1% relative RMS of the exact reference (the conformance
-floor; checked where there are enough outputs for a stable RMS). More rows dequantize the weights into a float32 matmul: close to the reference itself.
+floor; checked where there are enough outputs for a stable RMS). More rows dequantize the
+weights into a float32 matmul: close to the reference itself.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ def _ops(level: str):
     return build.ops
 
 
-def _rounded_like_the_kernel(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with each 32 values rounded to ``d * q``: ``d = max|x| / 127``, ``q`` an integer."""
+def rounded_like_the_kernel(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` with each 32 values rounded to ``d * q``: ``d = max|x| / L``, ``q`` an integer, with
+    ``L`` 32767 (16 bits) for Q8_0 weights and 127 (8 bits) for the others."""
+    largest = 32767.0 if fmt == "Q8_0" else 127.0
     blocks = x.float().unflatten(-1, (-1, 32))
     peak = blocks.abs().amax(-1, keepdim=True)
     # A true division, as the kernel's (``127.0 / tensor`` multiplies by a reciprocal: an ulp
     # away at times, and then a value at a rounding tie rounds the other way).
-    inverse = torch.where(peak > 0, torch.full_like(peak, 127.0) / peak, torch.zeros_like(peak))
-    return (torch.round(blocks * inverse) * (peak / 127.0)).flatten(-2)
+    inverse = torch.where(peak > 0, torch.full_like(peak, largest) / peak, torch.zeros_like(peak))
+    return (torch.round(blocks * inverse) * (peak / largest)).flatten(-2)
 
 
 def _relative_rms(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -84,7 +88,7 @@ def test_kernel_matches_the_reference(level, name, rows, n, blocks, dtype):
     if rows * n >= 64:  # enough outputs for the RMS to be a stable measure
         assert _relative_rms(got, exact) < 0.01
     if rows <= INTEGER_ROWS_MAX:
-        want = quantized_linear(_rounded_like_the_kernel(x), weight, fmt, bias_f)
+        want = quantized_linear(rounded_like_the_kernel(x, name), weight, fmt, bias_f)
     else:
         want = exact
     tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-4  # the output's own rounding

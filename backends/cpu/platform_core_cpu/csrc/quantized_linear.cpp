@@ -2,14 +2,17 @@
 // y = x W^T (+ b) with x [M, K] (float32 or bf16) and W [N, row_bytes] uint8, each row its
 // blocks back to back (platform_core/quantization/formats.py has the layouts).
 //
-// - Up to kIntegerRowsMax rows (decode): x is rounded to 8 bits per 32 values (a float scale
-//   and the scaled sum of each half), and each 32 weights meet it in integer dot products:
-//   VNNI's vpdpbusd where the build has AVX512-VNNI, AVX2's vpmaddubsw + vpmaddwd otherwise,
-//   plain loops on generic builds. Every format reduces to "w = a * q + c per 16 weights" with
-//   q an 8-bit integer, so a 32-weight block adds (a * dx) * sum(q * qx) + c * dx * sum(qx).
+// - Up to kIntegerRowsMax rows (decode): x is rounded to integers per 32 values (a float scale
+//   and the scaled sum of each half): to 8 bits for 4- and 6-bit weights, whose own rounding
+//   is far coarser, and to 16 bits for Q8_0, whose 8-bit activations would double its error
+//   (and flip near-ties of the logits: Q8_0 is the usual output head). Each 32 weights meet
+//   them in integer dot products: VNNI's vpdpbusd / vpdpwssd where the build has AVX512-VNNI,
+//   AVX2's vpmaddubsw / vpmaddwd otherwise, plain loops on generic builds. Every format reduces
+//   to "w = a * q + c per 16 weights" with q an 8-bit integer, so a 32-weight block adds
+//   (a * dx) * sum(q * qx) + c * dx * sum(qx).
 //   The weights stream from memory once per call, at a quarter to an eighth of bf16's bytes:
 //   decode is bound by reading them. Threads take bands of weight rows; each row's blocks are
-//   decoded once for up to four rows of x.
+//   decoded once for up to four rows of x, and one row of x meets four weight rows at a time.
 // - More rows (prefill, bound by arithmetic): chunks of weight rows, small enough to stay in
 //   cache, are dequantized to fp32 and go through torch's fp32 matmul, as linear_bf16 does.
 
@@ -20,6 +23,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string_view>
 #include <vector>
 
@@ -65,12 +69,14 @@ inline void halves_to_float(const uint8_t* p, float& first, float& second) {
 #endif
 }
 
-// x rounded to 8 bits per block of 32: x = d * q over each block. Row r's blocks start at
-// q[r * blocks * 32]; the scales come per 32 activations (`d32`, and `sums32`: d times the
-// sum of the block's q) and per 16 (`d16`, `sums16`: the same over each half).
+// x rounded to integers A (int8, or int16 for 8-bit weights) per block of 32: x = d * q over
+// each block, d = max |x| / (A's largest). Row r's blocks start at q[r * blocks * 32]; the
+// scales come per 32 activations (`d32`, and `sums32`: d times the sum of the block's q) and
+// per 16 (`d16`, `sums16`: the same over each half).
+template <typename A>
 struct RoundedRows {
   int64_t blocks = 0;
-  std::vector<int8_t> q;
+  std::vector<A> q;
   std::vector<float> d32, sums32, d16, sums16;
 
   // Row r's d and sums with one entry per `width` activations (32 or 16).
@@ -82,10 +88,11 @@ struct RoundedRows {
   }
 };
 
-template <typename T>
-RoundedRows round_rows(const at::Tensor& x) {
+template <typename T, typename A>
+RoundedRows<A> round_rows(const at::Tensor& x) {
+  constexpr float kLargest = std::numeric_limits<A>::max();
   const int64_t m = x.size(0), k = x.size(1), ldx = x.stride(0);
-  RoundedRows rows;
+  RoundedRows<A> rows;
   rows.blocks = k / 32;
   rows.q.resize(m * k);
   rows.d32.resize(m * rows.blocks);
@@ -97,14 +104,14 @@ RoundedRows round_rows(const at::Tensor& x) {
     for (int64_t b = 0; b < rows.blocks; ++b) {
       const T* in = xp + r * ldx + b * 32;
       const int64_t at = r * rows.blocks + b;
-      int8_t* q = rows.q.data() + at * 32;
+      A* q = rows.q.data() + at * 32;
       float peak = 0.0f;
       for (int e = 0; e < 32; ++e) peak = std::max(peak, std::abs(to_float(in[e])));
-      const float d = peak / 127.0f;
-      const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
+      const float d = peak / kLargest;
+      const float inverse = peak > 0.0f ? kLargest / peak : 0.0f;
       int32_t half_sums[2] = {0, 0};
       for (int e = 0; e < 32; ++e) {
-        q[e] = static_cast<int8_t>(std::nearbyint(to_float(in[e]) * inverse));
+        q[e] = static_cast<A>(std::nearbyint(to_float(in[e]) * inverse));
         half_sums[e / 16] += q[e];
       }
       rows.d32[at] = d;
@@ -163,6 +170,22 @@ inline __m256i dot32(Quants q, const int8_t* xq) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// The same for int8 weights and int16 activations (vpmaddwd, or VNNI's vpdpwssd): its lanes
+// mix the two halves, so for formats with one scale per 32 weights only.
+template <bool Signed>
+inline __m256i dot32(Quants q, const int16_t* xq) {
+  static_assert(Signed, "int16 activations meet int8 weights");
+  const __m256i low = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(q));
+  const __m256i high = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1));
+  const __m256i x_low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i x_high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(_mm256_madd_epi16(low, x_low), high, x_high);
+#else
+  return _mm256_add_epi32(_mm256_madd_epi16(low, x_low), _mm256_madd_epi16(high, x_high));
 #endif
 }
 
@@ -255,8 +278,8 @@ struct HalfSums {
   int32_t half[2];
 };
 
-template <bool Signed>
-inline HalfSums dot32(const Quants& q, const int8_t* xq) {
+template <bool Signed, typename A>
+inline HalfSums dot32(const Quants& q, const A* xq) {
   HalfSums out = {{0, 0}};
   for (int h = 0; h < 2; ++h) {
     int32_t sum = 0;
@@ -290,10 +313,11 @@ inline void store_quants(const Quants& q, uint8_t* out) { std::memcpy(out, q.v, 
 // Each format describes a block of kParts parts of 32 weights, where w = a * q + c with q an
 // 8-bit integer (int8 where kSigned) and one (a, c) per 32 weights (kSlots 1) or per 16
 // (kSlots 2). scales(block, a, c) writes the block's kParts * kSlots of each; quants(block, j)
-// gives part j's q.
+// gives part j's q. Activation is the integer x is rounded to.
 struct Q8_0 {
   static constexpr int kBytes = 34, kParts = 1, kSlots = 1;
   static constexpr bool kSigned = true;
+  using Activation = int16_t;  // 8-bit weights: 8-bit activations would double the error
   static inline void scales(const uint8_t* block, float* a, float* c) {
     a[0] = half_to_float(block);
     c[0] = 0.0f;
@@ -310,6 +334,7 @@ struct Q8_0 {
 struct Q4_0 {
   static constexpr int kBytes = 18, kParts = 1, kSlots = 1;
   static constexpr bool kSigned = false;
+  using Activation = int8_t;
   static inline void scales(const uint8_t* block, float* a, float* c) {
     a[0] = half_to_float(block);
     c[0] = -8.0f * a[0];
@@ -326,6 +351,7 @@ struct Q4_0 {
 struct Q4_1 {
   static constexpr int kBytes = 20, kParts = 1, kSlots = 1;
   static constexpr bool kSigned = false;
+  using Activation = int8_t;
   static inline void scales(const uint8_t* block, float* a, float* c) {
     halves_to_float(block, a[0], c[0]);
   }
@@ -341,6 +367,7 @@ struct Q4_1 {
 struct Q4_K {
   static constexpr int kBytes = 144, kParts = 8, kSlots = 1;
   static constexpr bool kSigned = false;
+  using Activation = int8_t;
   static inline void scales(const uint8_t* block, float* a, float* c) {
     float d, dmin;
     halves_to_float(block, d, dmin);
@@ -369,6 +396,7 @@ struct Q4_K {
 struct Q6_K {
   static constexpr int kBytes = 210, kParts = 8, kSlots = 2;
   static constexpr bool kSigned = true;  // q - 32, so no offset has to cancel a large sum
+  using Activation = int8_t;
   static inline void scales(const uint8_t* block, float* a, float* c) {
     const float d = half_to_float(block + 208);
     const auto* scales = reinterpret_cast<const int8_t*>(block + 192);  // one per 16 weights
@@ -423,7 +451,8 @@ constexpr int kTileWeightRows = 4;
 // (sum of c times x's sums) as vector dot products; the main loop then decodes each part of
 // each weight row once for XR rows of x, and its WR x XR sums are independent chains.
 template <class F, int WR, int XR>
-void dot_tile(const uint8_t* wrows, int64_t row_bytes, const RoundedRows& x, int64_t first,
+void dot_tile(const uint8_t* wrows, int64_t row_bytes, const RoundedRows<typename F::Activation>& x,
+              int64_t first,
               std::vector<float>& scratch, float (&out)[kTileWeightRows][kTileRows]) {
   constexpr int width = 32 / F::kSlots;
   const int64_t blocks = row_bytes / F::kBytes, slots = blocks * F::kParts * F::kSlots;
@@ -446,7 +475,7 @@ void dot_tile(const uint8_t* wrows, int64_t row_bytes, const RoundedRows& x, int
   for (int w = 0; w < WR; ++w) {
     for (int i = 0; i < XR; ++i) acc[w][i] = no_lanes();
   }
-  const int8_t* xq = x.q.data() + first * x.blocks * 32;
+  const typename F::Activation* xq = x.q.data() + first * x.blocks * 32;
   const int64_t x_stride = x.blocks * 32;
   for (int64_t s = 0; s < blocks; ++s) {
     for (int j = 0; j < F::kParts; ++j) {
@@ -470,7 +499,7 @@ void dot_tile(const uint8_t* wrows, int64_t row_bytes, const RoundedRows& x, int
 
 // Weight rows [row, row + WR) against every row of x, written to out (+ bias).
 template <class F, int WR, typename T>
-inline void weight_rows(const RoundedRows& x, int64_t m, const uint8_t* w, int64_t row_bytes,
+inline void weight_rows(const RoundedRows<typename F::Activation>& x, int64_t m, const uint8_t* w, int64_t row_bytes,
                         int64_t n, int64_t row, const float* bias, std::vector<float>& scratch,
                         T* out) {
   float sums[kTileWeightRows][kTileRows];
@@ -497,7 +526,7 @@ inline void weight_rows(const RoundedRows& x, int64_t m, const uint8_t* w, int64
 }
 
 template <class F, typename T>
-void integer_linear(const RoundedRows& x, int64_t m, const uint8_t* w, int64_t row_bytes,
+void integer_linear(const RoundedRows<typename F::Activation>& x, int64_t m, const uint8_t* w, int64_t row_bytes,
                     int64_t n, const float* bias, T* out) {
   // One x row: four weight rows at a time (four chains); more: two weight rows by four x rows.
   const int64_t step = m == 1 ? kTileWeightRows : 2;
@@ -577,10 +606,10 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kBFloat16) {
-    integer_linear<F>(round_rows<c10::BFloat16>(x), m, w, row_bytes, n, b,
+    integer_linear<F>(round_rows<c10::BFloat16, typename F::Activation>(x), m, w, row_bytes, n, b,
                       out.data_ptr<c10::BFloat16>());
   } else {
-    integer_linear<F>(round_rows<float>(x), m, w, row_bytes, n, b, out.data_ptr<float>());
+    integer_linear<F>(round_rows<float, typename F::Activation>(x), m, w, row_bytes, n, b, out.data_ptr<float>());
   }
   return out;
 }
