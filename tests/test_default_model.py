@@ -102,10 +102,11 @@ def test_generation_config_defaults_apply_unless_disabled(tiny_model_dir, tmp_pa
     assert plain.get_default_sampling_params().temperature == 1.0
 
 
-# nats below the float32 model's best that a greedy token of the quantized model (bf16
-# activations, the auto dtype here, rounded to 8 bits per 32 in its linears) may be; measured up
-# to 0.16 on an uncertain token, where a kernel misreading its blocks falls several nats short.
-RATING_MARGIN = 0.25
+# nats below the float32 model's best that a greedy token of the quantized model (float32
+# activations, rounded to 8 bits per 32 in its Q4_1 linears) may be. Measured over these 64
+# tokens: at most 0.22, on an uncertain one (the dequantized model in bf16: at most 0.10); a
+# kernel misreading its blocks falls several nats short.
+RATING_MARGIN = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +123,14 @@ def test_quantized_chat_answers_paris(smollm_quantized):
     test_chat_answers_paris(smollm_quantized)
 
 
-def test_quantized_greedy_tokens_are_ones_the_dequantized_model_rates_near_its_best(
-    smollm, smollm_quantized
-):
-    """The kernel rounds activations to 8 bits per 32: its greedy tokens may leave the float32
-    model's path, but each must be one the float32 model (teacher-forced on them) rates within a
-    small margin of its best."""
+def test_quantized_greedy_tokens_are_ones_the_dequantized_model_rates_near_its_best(smollm):
+    """The kernel rounds activations to 8 bits per 32: its greedy tokens may leave the
+    dequantized float32 model's path, but each must be one that model (teacher-forced on them)
+    rates within a small margin of its best."""
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16)
-    outputs = smollm_quantized.generate(PROMPTS, params, use_tqdm=False)
+    quantized = LLM(kv_cache_memory_bytes=32 << 20, dtype="float32", quantization="gguf")
+    outputs = quantized.generate(PROMPTS, params, use_tqdm=False)
+    quantized.shutdown()
     tokenizer = smollm.tokenizer
     forced = [
         {"prompt_token_ids": tokenizer.encode(prompt) + out.outputs[0].token_ids}
