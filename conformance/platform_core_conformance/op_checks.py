@@ -86,8 +86,11 @@ def _linear_case(name: str, rows: int, inputs: int, outputs: int, bias: bool, ma
 
 
 def _quantized_case(name: str, rows: int, fmt: QuantFormat, blocks: int, bias: bool) -> OpCase:
-    """Random blocks of every bit pattern, of RMS ``inputs ** -0.5``: outputs of order one."""
-    inputs, outputs = blocks * fmt.block_size, 37
+    """Random blocks of every bit pattern, of RMS ``inputs ** -0.5``: outputs of order one.
+    A format of single-weight blocks with a scale per row (FP8) gets rows of ``32 * blocks + 3``
+    weights: an odd length, which a kernel tiling the row must mask."""
+    inputs = blocks * fmt.block_size if fmt.block_size > 1 else 32 * blocks + 3
+    outputs = 37
 
     def build(gen: torch.Generator) -> Inputs:
         qweight = random_blocks(outputs, inputs, fmt, inputs**-0.5, gen)

@@ -65,7 +65,8 @@ def resolve_quantization(
 ) -> EngineConfig:
     """``quantization`` None: ``"gguf"`` for a checkpoint with quantized blocks on a backend
     with its own ``quantized_linear`` op, unless a dtype was asked for; else ``"none"``
-    (logged). ``"gguf"`` without blocks is a ConfigError.
+    (logged). ``"gguf"`` without blocks is a ConfigError. Quantization asked of a backend
+    without its own op is logged as running the reference op.
 
     Without its own op a backend would dequantize every weight on every step (the reference
     op): slower than dequantizing once at load, so ``auto`` does that instead.
@@ -80,6 +81,14 @@ def resolve_quantization(
             "quantized tensors"
         )
     if asked is not None or not formats:
+        if asked not in (None, "none") and "quantized_linear" not in backend.op_overrides():
+            logger.info(
+                "quantization %s: backend %s has no quantized_linear kernel of its own; the "
+                "quantized layers run the core's reference op (dequantize, then matmul, on "
+                "every call)",
+                asked,
+                backend.name,
+            )
         return config.replace(quantization=asked or "none")
     if not dtype_was_auto:
         why = f"dtype={config.model.dtype} was asked for"

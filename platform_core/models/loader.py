@@ -7,8 +7,9 @@ part of the tensor is read from the file, after checking the tensor's full shape
 tensor with no slot, any slot left unfilled, or a shape mismatch is a ModelLoadError naming it.
 With ``quantization="gguf"`` the weights that keep their blocks (:mod:`.quantized_weights`) are
 filled from ``quantized/model.safetensors`` instead of the dequantized tensors of the same names;
-a quantized weight read from 16/32-bit tensors (``"int8"``, ``"int4"``) is quantized as it is
-read, this rank's part only.
+a quantized weight read from 16/32-bit tensors (``"int8"``, ``"int4"``, ``"fp8"``) is quantized
+as it is read, this rank's part only (an FP8 column shard reads its rows whole: each row's scale
+is the whole row's).
 """
 
 from __future__ import annotations
@@ -117,8 +118,17 @@ class _Slot:
         shape = tuple(handle.get_shape())
         if shape != expected:
             raise ModelLoadError(f"weight {name!r} has shape {shape}, expected {expected}")
-        values = handle[placement.source_index()]
-        return quantize(values, fmt) if from_values and fmt is not None else values
+        if not from_values or fmt is None:
+            return handle[placement.source_index()]
+        columns = slice(None)
+        if fmt.scale_bytes and placement.dim == 1:  # the row's scale is the whole row's
+            source = placement.source
+            columns = slice(source.start, source.start + source.length)
+            placement = Placement(1, Shard.whole(source.full))
+        try:
+            return quantize(handle[placement.source_index()], fmt, columns)
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot quantize {name!r} to {fmt.name}: {exc}") from exc
 
 
 def load_weights(
