@@ -2,7 +2,7 @@
 
 With ``quantization="gguf"`` every linear, and the token embedding (the output head too, tied to
 it or not), whose checkpoint tensors are all stored in one block format that the
-``quantized_linear`` op computes on (:data:`QUANT_FORMATS`) keeps its weight in that format; the
+``quantized_linear`` op computes on (:data:`GGML_FORMATS`) keeps its weight in that format; the
 loader then fills it from ``quantized/model.safetensors``. A fused projection whose parts were
 stored in different formats runs dequantized (one weight holds one format), logged. A weight
 stored in a block format we cannot compute on is refused, naming the format.
