@@ -27,8 +27,10 @@ from platform_core.kernels.triton import triton_installed
 from platform_core.quantization.formats import (
     FP8_E4M3,
     FP8_MAX,
+    Q8_0,
     dequantize,
     fp8_rows,
+    has_kernel,
     quantize,
     quantized_linear,
 )
@@ -151,15 +153,34 @@ def fp8_model(tiny_model_dir, tmp_path_factory) -> Path:
 def test_a_model_quantized_to_fp8_gives_the_dense_models_tokens(fp8_model, caplog):
     """Through the reference op (the template backend has no quantized_linear of its own)."""
     common = {"backend": "template", "dtype": "float32"}
-    with caplog.at_level(logging.INFO, logger="platform_core.engine"):
+    with caplog.at_level(logging.INFO, logger="platform_core.models"):
         quantized, runner = _generate(fp8_model, quantization="fp8", **common)
     assert runner.quantization == f"quantized FP8_E4M3 x {LINEARS_PER_MODEL}"
-    assert "the quantized layers run the core's reference op" in caplog.text
+    assert "the FP8_E4M3 layers run the core's reference op" in caplog.text
     dense, dense_runner = _generate(fp8_model, **common)
     assert dense_runner.quantization is None
     assert runner.weights_bytes < dense_runner.weights_bytes
     assert runner.parameter_count == dense_runner.parameter_count
     _assert_same(quantized, dense)
+
+
+def test_the_cpu_backend_runs_fp8(fp8_model):
+    """Through the reference op: its one-token steps are traced, so the op's decoding of the
+    bytes must trace too."""
+    common = {"backend": "cpu", "dtype": "float32"}
+    quantized, runner = _generate(fp8_model, quantization="fp8", **common)
+    assert runner.quantization == f"quantized FP8_E4M3 x {LINEARS_PER_MODEL}"
+    _assert_same(quantized, _generate(fp8_model, **common)[0], atol=1e-3)
+
+
+def test_an_op_names_the_formats_it_has_kernels_for():
+    def op(x, qweight, fmt, bias):
+        raise AssertionError("never called")
+
+    assert not has_kernel(None, FP8_E4M3) and not has_kernel(quantized_linear, FP8_E4M3)
+    assert has_kernel(op, FP8_E4M3)  # an op that names none has them all
+    op.kernel_formats = frozenset({"Q8_0"})
+    assert has_kernel(op, Q8_0) and not has_kernel(op, FP8_E4M3)
 
 
 def test_a_16_bit_checkpoint_quantized_to_fp8_rates_its_tokens_like_the_float_model(
@@ -373,6 +394,7 @@ def _interpreted_model() -> dict:
         "reference": _tokens_and_logprobs(reference),
         "triton": _tokens_and_logprobs(triton),
         "kernel_launches": len(launches),
+        "declares_fp8": has_kernel(triton_op.quantized_linear_op, FP8_E4M3),
     }
 
 
@@ -391,6 +413,7 @@ def test_the_triton_kernel_matches_the_reference_op(interpreted, name):
 
 def test_a_model_through_the_triton_kernel_gives_the_reference_ops_tokens(interpreted):
     model = interpreted["model"]
+    assert model["declares_fp8"]
     # every step: the 8 linears of the model (prefill chunks and decodes alike: <= 128 rows)
     assert model["kernel_launches"] >= LINEARS_PER_MODEL * PARAMS.max_tokens
     triton, reference = model["triton"], model["reference"]

@@ -64,15 +64,16 @@ def resolve_quantization(
     config: EngineConfig, model_dir: Path, backend: Backend, dtype_was_auto: bool
 ) -> EngineConfig:
     """``quantization`` None: the checkpoint's own (``"gguf"`` for one with quantized blocks,
-    ``"fp8"`` for float8 weights) on a backend with its own ``quantized_linear`` op, unless a
+    ``"fp8"`` for float8 weights) on a backend with its own ``quantized_linear`` op (for FP8,
+    one with a kernel for it: :func:`~platform_core.quantization.formats.has_kernel`), unless a
     dtype was asked for; else ``"none"`` (logged). ``"gguf"`` without blocks is a ConfigError.
-    Quantization asked of a backend without its own op is logged as running the reference op.
 
     Without its own op a backend would dequantize every weight on every step (the reference
     op): slower than dequantizing once at load, so ``auto`` does that instead.
     """
     from platform_core.models.fp8_checkpoint import stored_fp8
     from platform_core.models.quantized_checkpoint import quantized_formats
+    from platform_core.quantization.formats import FP8_E4M3, has_kernel
 
     asked = config.model.quantization
     stored = "gguf" if quantized_formats(model_dir) else "fp8" if stored_fp8(model_dir) else None
@@ -82,19 +83,14 @@ def resolve_quantization(
             "quantized tensors"
         )
     if asked is not None or stored is None:
-        if asked not in (None, "none") and "quantized_linear" not in backend.op_overrides():
-            logger.info(
-                "quantization %s: backend %s has no quantized_linear kernel of its own; the "
-                "quantized layers run the core's reference op (dequantize, then matmul, on "
-                "every call)",
-                asked,
-                backend.name,
-            )
         return config.replace(quantization=asked or "none")
+    op = backend.op_overrides().get("quantized_linear")
     if not dtype_was_auto:
         why = f"dtype={config.model.dtype} was asked for"
-    elif "quantized_linear" not in backend.op_overrides():
+    elif op is None:
         why = f"backend {backend.name} has no quantized_linear kernel of its own"
+    elif stored == "fp8" and not has_kernel(op, FP8_E4M3):
+        why = f"backend {backend.name}'s quantized_linear has no kernel for FP8_E4M3"
     else:
         logger.info(
             "quantization %s: the checkpoint's quantized linears compute on their weights as "

@@ -37,6 +37,7 @@ from platform_core.models.quantized_weights import (
     LOAD_TIME_FORMATS,
     keep_weights_quantized,
     load_time_formats,
+    log_reference_formats,
 )
 from platform_core.models.registry import CausalLM, get_model_class
 from platform_core.plugins.interfaces import AttentionOps
@@ -90,6 +91,9 @@ def load_model(
         blocks = frozenset(keep_weights_quantized(model, formats).kept)
     elif quantization in LOAD_TIME_FORMATS:
         keep_weights_quantized(model, load_time_formats(model, quantization), quantization)
+    if quantization not in (None, "none"):
+        op = (op_overrides or {}).get("quantized_linear")
+        log_reference_formats(model, op, quantization)
     load_weights(model, Path(model_dir), blocks)
     return model.eval()
 

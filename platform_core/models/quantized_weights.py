@@ -26,7 +26,12 @@ from torch import nn
 from platform_core.errors import ModelLoadError
 from platform_core.layers.linear import QuantizableLinear, QuantizableWeight
 from platform_core.models.checkpoint_names import checkpoint_names
-from platform_core.quantization.formats import GGML_FORMATS, QUANT_FORMATS
+from platform_core.quantization.formats import (
+    GGML_FORMATS,
+    QUANT_FORMATS,
+    QuantizedLinearFn,
+    has_kernel,
+)
 
 logger = logging.getLogger("platform_core.models")
 
@@ -50,6 +55,22 @@ def quantized_summary(model: nn.Module) -> str | None:
     if not counts:
         return None
     return "quantized " + ", ".join(f"{f} x {n}" for f, n in sorted(counts.items()))
+
+
+def log_reference_formats(model: nn.Module, op: QuantizedLinearFn | None, mode: str) -> None:
+    """Log each format the model keeps that the backend's ``quantized_linear`` ``op`` (None: it
+    has none) has no kernel for: those layers run the core's reference op."""
+    formats = {m.quant.name: m.quant for m in quantized_layers(model) if m.quant}
+    why = "the backend has no quantized_linear op" if op is None else "no backend kernel for it"
+    for name, fmt in sorted(formats.items()):
+        if not has_kernel(op, fmt):
+            logger.info(
+                "quantization %s: the %s layers run the core's reference op (dequantize, then "
+                "matmul, on every call): %s",
+                mode,
+                name,
+                why,
+            )
 
 
 # mode -> the linears' format; and the embedding's and output head's (none: 16/32-bit)

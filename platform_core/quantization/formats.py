@@ -310,3 +310,14 @@ def quantized_linear(
 ) -> torch.Tensor:
     """The reference :data:`QuantizedLinearFn`: dequantize to ``x``'s dtype, then ``F.linear``."""
     return F.linear(x, dequantize(qweight, fmt, x.dtype), bias)
+
+
+def has_kernel(op: QuantizedLinearFn | None, fmt: QuantFormat) -> bool:
+    """Whether a backend's ``quantized_linear`` ``op`` (None: it has none) computes on ``fmt``
+    with a kernel of its own rather than through :func:`quantized_linear`. An op may name the
+    formats it has kernels for in a ``kernel_formats`` attribute; one that names none is taken
+    to have a kernel for every format."""
+    if op is None or op is quantized_linear:
+        return False
+    formats = getattr(op, "kernel_formats", None)
+    return formats is None or fmt.name in formats

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from platform_core.kernels.triton import triton_interpreting
 from platform_core.kernels.triton.fp8_linear import triton_fp8_linear
-from platform_core.quantization.formats import QuantFormat, quantized_linear
+from platform_core.quantization.formats import FP8_E4M3, QuantFormat, quantized_linear
 
 GEMM_ROWS = 128
 
@@ -161,3 +161,7 @@ def quantized_linear_op(
             fmt.name,
         )
     return quantized_linear(x, qweight, fmt, bias)
+
+
+# what has_kernel reads: the others go to the reference op
+quantized_linear_op.kernel_formats = frozenset({*KERNEL_FORMATS, FP8_E4M3.name})
