@@ -95,6 +95,7 @@ def random_blocks(
     and every code but NaN. Test inputs for ``quantized_linear`` ops."""
     qweight = torch.randint(0, 256, (rows, fmt.row_bytes(in_features)), generator=gen)
     qweight = qweight.to(torch.uint8)
+    row_scales = None
     if fmt.scale_bytes:
         codes = qweight[:, fmt.scale_bytes :]
         codes[(codes & 0x7F) == 0x7F] ^= 1  # NaN -> +-448
@@ -102,7 +103,7 @@ def random_blocks(
     blocks = qweight[:, fmt.scale_bytes :].unflatten(1, (-1, fmt.block_bytes))
 
     def set_scales(scale: float) -> None:
-        if fmt.scale_bytes:
+        if row_scales is not None:
             qweight[:, : fmt.scale_bytes] = _float32_bytes(row_scales * scale)
         half = torch.tensor([scale], dtype=torch.float16).view(torch.uint8)
         for offset in fmt.half_fields:
