@@ -16,6 +16,8 @@ interpreter, which computes ``tl.dot`` in float32 only).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -76,6 +78,19 @@ def _fp8_linear_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+def fp8_linear_constants(
+    rows: int, dtype: torch.dtype, has_bias: bool, interpret: bool
+) -> dict[str, Any]:
+    """The kernel's compile-time constants for ``rows`` rows of ``dtype`` activations."""
+    return {
+        "HAS_BIAS": has_bias,
+        "DOT_FP32": interpret or dtype == torch.float32,
+        "BLOCK_M": 16 if rows <= 16 else 32,
+        "BLOCK_N": 32 if interpret else 64,
+        "BLOCK_K": 64,
+    }
+
+
 def triton_fp8_linear(
     x: torch.Tensor, qweight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -84,9 +99,8 @@ def triton_fp8_linear(
     m, k = rows.shape
     n = qweight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m = 16 if m <= 16 else 32
-    block_n = 32 if triton_interpreting() else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    constants = fp8_linear_constants(m, x.dtype, bias is not None, triton_interpreting())
+    grid = (triton.cdiv(m, constants["BLOCK_M"]), triton.cdiv(n, constants["BLOCK_N"]))
     _fp8_linear_kernel[grid](
         rows,
         qweight,
@@ -98,10 +112,6 @@ def triton_fp8_linear(
         rows.stride(0),
         y.stride(0),
         qweight.stride(0),
-        HAS_BIAS=bias is not None,
-        DOT_FP32=triton_interpreting() or x.dtype == torch.float32,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=64,
+        **constants,
     )
     return y.reshape(*x.shape[:-1], n)
