@@ -22,7 +22,6 @@ from platform_core.layers.linear import RowParallelLinear
 from platform_core.models.gguf_loader import CACHE_ENV, materialize_gguf
 from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
 from platform_core.quantization.formats import (
-    GGML_FORMATS,
     Q4_1,
     Q8_0,
     QUANT_FORMATS,
@@ -36,7 +35,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs
 PROMPTS = [[3, 17, 5], [9] * 21, list(range(4, 40))]
 
 
-@pytest.mark.parametrize("name", sorted(GGML_FORMATS))
+@pytest.mark.parametrize("name", sorted(QUANT_FORMATS))
 def test_each_format_dequantizes_as_the_gguf_package_does(name):
     rng = np.random.default_rng(7)
     blocks = random_blocks(5, 512, GGML[name], rng)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from platform_core.backend_api import (
+    ALL_QUANT_FORMATS,
     OVERRIDABLE_OPS,
-    QUANT_FORMATS,
     LayerOps,
     QuantFormat,
     random_blocks,
@@ -167,7 +167,7 @@ OP_TABLE: dict[str, OpSpec] = {
     "quantized_linear": OpSpec(
         tuple(
             case
-            for fmt in QUANT_FORMATS.values()
+            for fmt in ALL_QUANT_FORMATS.values()
             for case in (
                 _quantized_case("one-row", 1, fmt, 3, True),
                 _quantized_case("rows", 9, fmt, 2, False),

@@ -2,7 +2,7 @@
 
 With ``quantization="gguf"`` every linear, and the token embedding (the output head too, tied to
 it or not), whose checkpoint tensors are all stored in one block format that the
-``quantized_linear`` op computes on (:data:`GGML_FORMATS`) keeps its weight in that format; the
+``quantized_linear`` op computes on (:data:`QUANT_FORMATS`) keeps its weight in that format; the
 loader then fills it from ``quantized/model.safetensors``. A fused projection whose parts were
 stored in different formats runs dequantized (one weight holds one format), logged. A weight
 stored in a block format we cannot compute on is refused, naming the format.
@@ -27,7 +27,7 @@ from platform_core.errors import ModelLoadError
 from platform_core.layers.linear import QuantizableLinear, QuantizableWeight
 from platform_core.models.checkpoint_names import checkpoint_names
 from platform_core.quantization.formats import (
-    GGML_FORMATS,
+    ALL_QUANT_FORMATS,
     QUANT_FORMATS,
     QuantizedLinearFn,
     has_kernel,
@@ -111,11 +111,11 @@ def keep_weights_quantized(
             outcome.dequantized.update(dict.fromkeys(names, why))
             continue
         (type_name,) = stored
-        fmt = (GGML_FORMATS if mode == "gguf" else QUANT_FORMATS).get(str(type_name))
+        fmt = (QUANT_FORMATS if mode == "gguf" else ALL_QUANT_FORMATS).get(str(type_name))
         if fmt is None:
             raise ModelLoadError(
                 f"{names[0]} is stored as GGUF type {type_name}, which platform-core does not "
-                f"compute on quantized (supported: {', '.join(GGML_FORMATS)}); pass "
+                f"compute on quantized (supported: {', '.join(QUANT_FORMATS)}); pass "
                 "quantization='none' (or a dtype) to run the model dequantized"
             )
         try:

@@ -75,11 +75,11 @@ Q4_0 = QuantFormat("Q4_0", 32, 18, (0,))
 Q4_1 = QuantFormat("Q4_1", 32, 20, (0, 2))
 Q4_K = QuantFormat("Q4_K", 256, 144, (0, 2))
 Q6_K = QuantFormat("Q6_K", 256, 210, (208,))
+QUANT_FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}  # the GGML block formats
 FP8_E4M3 = QuantFormat("FP8_E4M3", 1, 1, (), scale_bytes=4)
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn
-# the GGML block formats a GGUF stores; every format the quantized_linear op computes on
-GGML_FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}
-QUANT_FORMATS = {**GGML_FORMATS, FP8_E4M3.name: FP8_E4M3}
+# every format the quantized_linear op takes (the conformance suite checks each)
+ALL_QUANT_FORMATS = {**QUANT_FORMATS, FP8_E4M3.name: FP8_E4M3}
 
 # ``(x, qweight, fmt, bias) -> x @ dequantize(qweight, fmt).T (+ bias)`` in ``x``'s dtype.
 QuantizedLinearFn = Callable[
