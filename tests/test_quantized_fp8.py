@@ -74,8 +74,8 @@ def test_quantizing_scales_each_row_by_its_largest_weight_and_rounds_to_nearest(
     codes = (weights / expected_scale.clamp_min(1e-30)).to(torch.float8_e4m3fn).float()
     torch.testing.assert_close(restored, codes * expected_scale, rtol=1e-6, atol=0.0)
     assert torch.equal(restored[2], torch.zeros(300))
-    # e4m3 keeps 3 mantissa bits: within 2^-4 relative of each weight (normal range)
-    big = weights.abs() > expected_scale * 2**-6 * 16
+    # e4m3 keeps 3 mantissa bits: within 2^-4 of each weight with a normal code (>= 2^-6)
+    big = weights.abs() >= expected_scale * 2**-6
     assert ((restored - weights).abs()[big] <= weights.abs()[big] * 2**-4).all()
     # a column shard keeps the whole row's scale: the same bytes as the whole row's columns
     shard = quantize(weights, FP8_E4M3, slice(100, 250))
@@ -313,6 +313,12 @@ def test_fp8_checkpoints_we_cannot_load_are_refused_naming_why(tiny_model_dir, t
     del tensors["model.layers.0.mlp.up_proj.weight_scale"]
     save_file(tensors, stored / "model.safetensors", {"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"up_proj.weight' is stored as float8 but .* no"):
+        LLM(str(stored), backend="template", quantization="fp8")
+    # scales that fit neither the tensor nor its rows (one per two rows)
+    name = "model.layers.0.mlp.up_proj.weight_scale"
+    tensors[name] = torch.ones(tensors["model.layers.0.mlp.up_proj.weight"].shape[0] // 2, 1)
+    save_file(tensors, stored / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"up_proj.weight_scale has shape \(\d+, 1\)"):
         LLM(str(stored), backend="template", quantization="fp8")
 
 
