@@ -331,16 +331,14 @@ def interpreted(fp8_model) -> dict:
     return collect(start_child(__file__, "interpreted", env), "fp8 kernel")
 
 
+def _case_id(m: int, k: int, n: int, dtype: str, bias: bool, per_tensor: bool) -> str:
+    return f"{dtype}-{m}x{k}->{n}" + "-bias" * bias + "-per-tensor" * per_tensor
+
+
+# rows, inputs, outputs, activation dtype, bias, one scale for the tensor
 KERNEL_CASES = {
-    f"{dtype}-{m}x{k}->{n}{'-bias' if bias else ''}{'-per-tensor' if per_tensor else ''}": (
-        m,
-        k,
-        n,
-        dtype,
-        bias,
-        per_tensor,
-    )
-    for m, k, n, dtype, bias, per_tensor in [
+    _case_id(*case): case
+    for case in [
         (1, 64, 48, "float32", True, False),
         (1, 131, 37, "bfloat16", False, False),
         (7, 200, 70, "float16", True, False),
