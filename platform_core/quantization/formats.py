@@ -317,8 +317,8 @@ def has_kernel(op: QuantizedLinearFn | None, fmt: QuantFormat) -> bool:
     """Whether a backend's ``quantized_linear`` ``op`` (None: it has none) computes on ``fmt``
     with a kernel of its own rather than through :func:`quantized_linear`. An op may name the
     formats it has kernels for in a ``kernel_formats`` attribute; one that names none is taken
-    to have a kernel for every format."""
+    to have kernels for the GGML block formats (:data:`QUANT_FORMATS`, the op's formats before
+    FP8 joined them), so FP8 on it is taken to run the reference op."""
     if op is None or op is quantized_linear:
         return False
-    formats = getattr(op, "kernel_formats", None)
-    return formats is None or fmt.name in formats
+    return fmt.name in getattr(op, "kernel_formats", QUANT_FORMATS)
