@@ -4,7 +4,8 @@ The format's decoding against torch's own float8, quantizing 16/32-bit weights a
 the GPU backends' Triton kernel against the reference op under Triton's interpreter (in a child
 process: this file run as a script, as ``test_triton_kernels.py`` does), whole tiny models
 quantized in the test (through the reference op, through the Triton kernel, and under tensor
-parallelism), and the refusals.
+parallelism), and the refusals. ``PLATFORM_CORE_KERNEL_DEVICE=cuda`` runs the kernel cases
+compiled on a GPU instead (the whole-model case needs the interpreter: it is skipped).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from platform_core.quantization.formats import (
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 PROMPTS = [[3, 17, 5], [9] * 21, list(range(4, 40))]
 MODEL_ENV = "PLATFORM_CORE_FP8_TEST_MODEL"
+DEVICE_ENV = "PLATFORM_CORE_KERNEL_DEVICE"  # as in test_triton_kernels.py
 # The kernel's error, relative to the largest output: float32 accumulation over <= 300 inputs,
 # then the output narrowed to the dtype: half an ulp in float16 (2^-11); a whole one in bfloat16
 # (2^-7), which Triton's interpreter narrows by truncation (a GPU rounds to nearest).
@@ -335,7 +337,10 @@ def interpreted(fp8_model) -> dict:
     """The kernel and whole-model cases, run in a child under Triton's interpreter."""
     if not triton_installed():
         pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1", MODEL_ENV: str(fp8_model)}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env[MODEL_ENV] = str(fp8_model)
+    if env.setdefault(DEVICE_ENV, "cpu") == "cpu":
+        env["TRITON_INTERPRET"] = "1"
     return collect(start_child(__file__, "interpreted", env), "fp8 kernel")
 
 
@@ -358,7 +363,7 @@ KERNEL_CASES = {
 }
 
 
-def _kernel_case(m, k, n, dtype, bias, per_tensor) -> dict:
+def _kernel_case(m, k, n, dtype, bias, per_tensor, device: str) -> dict:
     from platform_core.kernels.triton.quantized_linear import quantized_linear_op
 
     gen = torch.Generator().manual_seed(m * 1000 + k)
@@ -371,7 +376,8 @@ def _kernel_case(m, k, n, dtype, bias, per_tensor) -> dict:
         rows = quantize(weights, FP8_E4M3)
     x = torch.randn(m, k, generator=gen).to(getattr(torch, dtype))
     b = torch.randn(n, generator=gen).to(x.dtype) if bias else None
-    got = quantized_linear_op(x, rows, FP8_E4M3, b)
+    on_device = None if b is None else b.to(device)
+    got = quantized_linear_op(x.to(device), rows.to(device), FP8_E4M3, on_device).cpu()
     want = quantized_linear(x.double(), rows, FP8_E4M3, None if b is None else b.double())
     return {
         "dtype": str(got.dtype).removeprefix("torch."),
@@ -411,8 +417,10 @@ def _interpreted_model() -> dict:
 
 
 def _child_main() -> None:
-    kernels = {name: _kernel_case(*case) for name, case in KERNEL_CASES.items()}
-    print(json.dumps({"kernels": kernels, "model": _interpreted_model()}))
+    device = os.environ[DEVICE_ENV]
+    kernels = {name: _kernel_case(*case, device) for name, case in KERNEL_CASES.items()}
+    model = _interpreted_model() if device == "cpu" else None
+    print(json.dumps({"kernels": kernels, "model": model}))
 
 
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
@@ -425,6 +433,8 @@ def test_the_triton_kernel_matches_the_reference_op(interpreted, name):
 
 def test_a_model_through_the_triton_kernel_gives_the_reference_ops_tokens(interpreted):
     model = interpreted["model"]
+    if model is None:
+        pytest.skip("the template backend's model runs on the CPU: interpreter only")
     assert model["declares_fp8"]
     # every step: the 8 linears of the model (prefill chunks and decodes alike: <= 128 rows)
     assert model["kernel_launches"] >= LINEARS_PER_MODEL * PARAMS.max_tokens
