@@ -31,6 +31,8 @@ logger = logging.getLogger("platform_core.kernels")
 
 # format name -> the kernel's FORMAT constant
 KERNEL_FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+# every format with a kernel here (FP8_E4M3's is :mod:`.fp8_linear`)
+WITH_KERNELS = frozenset({*KERNEL_FORMATS, FP8_E4M3.name})
 
 
 @triton.jit
@@ -146,12 +148,11 @@ def quantized_linear_op(
     rows, else the reference (dequantize, then the vendor GEMM); a format without a kernel is
     logged once."""
     rows = x.numel() // x.shape[-1]
-    has_kernel = fmt.name in KERNEL_FORMATS or fmt.scale_bytes > 0
-    if has_kernel and qweight.is_contiguous() and rows <= GEMM_ROWS:
-        if fmt.scale_bytes:
+    if fmt.name in WITH_KERNELS and qweight.is_contiguous() and rows <= GEMM_ROWS:
+        if fmt.name == FP8_E4M3.name:
             return triton_fp8_linear(x, qweight, bias)
         return triton_quantized_linear(x, qweight, fmt, bias)
-    if has_kernel:
+    if fmt.name in WITH_KERNELS:
         return quantized_linear(x, qweight, fmt, bias)
     if fmt.name not in _FALLBACK_LOGGED:
         _FALLBACK_LOGGED.add(fmt.name)
@@ -163,5 +164,4 @@ def quantized_linear_op(
     return quantized_linear(x, qweight, fmt, bias)
 
 
-# what has_kernel reads: the others go to the reference op
-quantized_linear_op.kernel_formats = frozenset({*KERNEL_FORMATS, FP8_E4M3.name})
+quantized_linear_op.kernel_formats = WITH_KERNELS  # read by has_kernel
