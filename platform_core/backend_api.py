@@ -78,6 +78,8 @@ if TYPE_CHECKING:
     )
     from platform_core.plugins.manager import PluginManager
     from platform_core.quantization.formats import (
+        ALL_QUANT_FORMATS,
+        FP8_E4M3,
         QUANT_FORMATS,
         QuantFormat,
         QuantizedLinearFn,
@@ -136,6 +138,8 @@ __all__ = [  # noqa: RUF022 - grouped by topic, not sorted
     "QuantizedLinearFn",
     "QuantFormat",
     "QUANT_FORMATS",
+    "FP8_E4M3",
+    "ALL_QUANT_FORMATS",
     "dequantize",
     "random_blocks",
     # the Triton kernels shared by the GPU backends
@@ -188,6 +192,8 @@ _LAZY = {
     "QuantizedLinearFn": "platform_core.quantization.formats",
     "QuantFormat": "platform_core.quantization.formats",
     "QUANT_FORMATS": "platform_core.quantization.formats",
+    "FP8_E4M3": "platform_core.quantization.formats",
+    "ALL_QUANT_FORMATS": "platform_core.quantization.formats",
     "dequantize": "platform_core.quantization.formats",
     "random_blocks": "platform_core.quantization.formats",
     "LaunchParams": "platform_core.kernels.triton.launch",

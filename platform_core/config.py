@@ -17,9 +17,9 @@ import yaml
 from platform_core.errors import ConfigError
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-# "gguf": layers keep a quantized GGUF's blocks; "int8" / "int4": 16/32-bit weights quantized
-# at load time (Q8_0 / Q4_1 blocks); "none": every weight 16/32-bit.
-QUANTIZATIONS = ("gguf", "int8", "int4", "none")
+# "gguf": layers keep a quantized GGUF's blocks; "int8" / "int4" / "fp8": 16/32-bit weights
+# quantized at load time (Q8_0 / Q4_1 blocks, FP8 e4m3 rows); "none": every weight 16/32-bit.
+QUANTIZATIONS = ("gguf", "int8", "int4", "fp8", "none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +27,8 @@ class ModelConfig:
     """Which model to load and how.
 
     ``quantization`` None (the default) keeps a quantized GGUF's layers quantized unless a
-    ``dtype`` other than ``auto`` was asked for; ``"gguf"`` requires that, ``"int8"`` and
-    ``"int4"`` quantize 16/32-bit weights at load time, ``"none"`` dequantizes.
+    ``dtype`` other than ``auto`` was asked for; ``"gguf"`` requires that, ``"int8"``, ``"int4"``
+    and ``"fp8"`` quantize 16/32-bit weights at load time, ``"none"`` dequantizes.
     """
 
     model: str | None = None

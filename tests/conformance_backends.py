@@ -114,10 +114,13 @@ def quantized_linear_without_offset(
 def quantized_linear_on_8bit_inputs(
     x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """Rounds every 32 inputs to 8 bits with one scale first, as integer-dot kernels do."""
-    groups = x.float().unflatten(-1, (-1, 32))
+    """Rounds every 32 inputs to 8 bits with one scale first, as integer-dot kernels do (a
+    row's last inputs short of 32, as FP8 rows may have, as a group of their own)."""
+    inputs = x.shape[-1]
+    padded = F.pad(x.float(), (0, -inputs % 32))
+    groups = padded.unflatten(-1, (-1, 32))
     scale = groups.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127
-    rounded = ((groups / scale).round() * scale).flatten(-2).to(x.dtype)
+    rounded = ((groups / scale).round() * scale).flatten(-2)[..., :inputs].to(x.dtype)
     return quantized_linear(rounded, qweight, fmt, bias)
 
 

@@ -171,4 +171,4 @@ def test_a_kernel_rounding_its_inputs_to_8_bits_passes_the_quantized_checks(tmp_
     code, checks = _checks(plugin, OPS, tmp_path)
     assert code == 0, _failed(checks)
     ran = [name for name in checks if "quantized_linear" in name]
-    assert len(ran) == 2 * 5 * 2, ran  # dtypes x formats x cases
+    assert len(ran) == 2 * 6 * 2, ran  # dtypes x formats (five GGML, FP8) x cases

@@ -40,7 +40,8 @@ def test_gpu_kernels_pass_under_the_triton_interpreter(
     assert all(dtype in name for name in names)
     assert "test_gqa_ratios[" + dtype + "-gqa8-kv2]" in names
     quantized = [name for name in names if "quantized_linear" in name]
-    assert len(quantized) >= 10 and any("Q4_1" in name for name in quantized), quantized
+    assert len(quantized) >= 12 and any("Q4_1" in name for name in quantized), quantized
+    assert any("FP8_E4M3" in name for name in quantized), quantized
 
 
 def test_the_interpreter_must_be_on(tmp_path: Path) -> None:

@@ -66,6 +66,9 @@ class _RecordingSlice:
     def get_shape(self) -> list[int]:
         return self._handle.get_shape()
 
+    def get_dtype(self) -> str:
+        return self._handle.get_dtype()
+
     def __getitem__(self, index: Any) -> torch.Tensor:
         tensor = self._handle[index]
         self._reads.append((self._name, tuple(tensor.shape)))

@@ -1,5 +1,6 @@
 """The shared Triton kernels compiled ahead of time for NVIDIA sm_80/sm_90 and AMD gfx942 with the
-cuda and rocm backends' launch parameters.
+cuda and rocm backends' launch parameters (the FP8 linear at a decode's and the largest kernel
+batch's rows, in each activation dtype).
 
 The interpreter (``test_triton_kernels.py``) runs Python, so only the compiler catches code it
 rejects, and shared memory is checked against each target's limit. The compile runs in a child
@@ -50,6 +51,7 @@ AOT_VARIANTS = {
     "gfx942_decode_split_bf16_head96": AotVariant("gfx942", "rocm", 4, 1, 8192, 32, 8, 96, 32,
                                                   "bfloat16"),
 }  # fmt: skip
+FP8_TARGETS = {"sm_80": "cuda", "sm_90": "cuda", "gfx942": "rocm"}
 
 
 def compile_variant(variant: AotVariant, params: LaunchParams) -> dict:
@@ -102,6 +104,8 @@ def _child_main() -> None:
     except ImportError as exc:
         print(json.dumps({"skipped": f"the cuda and rocm backends are not installed: {exc}"}))
         return
+    from platform_core.kernels.triton import aot
+
     params = {"cuda": cuda_launch_params(num_sms=132), "rocm": rocm_launch_params(304)}
     results = {}
     for name, variant in AOT_VARIANTS.items():
@@ -109,6 +113,17 @@ def _child_main() -> None:
             results[name] = compile_variant(variant, params[variant.backend])
         except Exception as exc:  # reported per variant, asserted by the test
             results[name] = {"error": repr(exc)[-3000:]}
+    for target, backend in FP8_TARGETS.items():
+        for dtype in ("bfloat16", "float16", "float32"):
+            for rows in (1, 128):
+                name = f"fp8_linear_{target}_{dtype}_m{rows}"
+                try:
+                    compiled = aot.compile_fp8_linear(
+                        target, getattr(torch, dtype), rows, params[backend]
+                    )
+                    results[name] = {"fits": compiled.fits}
+                except Exception as exc:  # reported per variant, asserted by the test
+                    results[name] = {"error": repr(exc)[-3000:]}
     print(json.dumps(results))
 
 
@@ -128,6 +143,14 @@ def test_kernels_compile_for_each_backend_target(aot_results: dict, name: str) -
     result = aot_results[name]
     assert "error" not in result, result.get("error")
     assert result["fits"], f"{name} needs more shared memory than the target has: {result}"
+
+
+def test_the_fp8_linear_kernel_compiles_for_each_target(aot_results: dict) -> None:
+    compiled = {k: v for k, v in aot_results.items() if k.startswith("fp8_linear_")}
+    assert len(compiled) == len(FP8_TARGETS) * 3 * 2
+    for name, result in compiled.items():
+        assert "error" not in result, (name, result.get("error"))
+        assert result["fits"], name
 
 
 def test_aot_variants_cover_the_split_path(aot_results: dict) -> None:

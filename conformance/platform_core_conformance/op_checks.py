@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from platform_core.backend_api import (
+    ALL_QUANT_FORMATS,
     OVERRIDABLE_OPS,
-    QUANT_FORMATS,
     LayerOps,
     QuantFormat,
     random_blocks,
@@ -86,8 +86,11 @@ def _linear_case(name: str, rows: int, inputs: int, outputs: int, bias: bool, ma
 
 
 def _quantized_case(name: str, rows: int, fmt: QuantFormat, blocks: int, bias: bool) -> OpCase:
-    """Random blocks of every bit pattern, of RMS ``inputs ** -0.5``: outputs of order one."""
-    inputs, outputs = blocks * fmt.block_size, 37
+    """Random blocks of every bit pattern, of RMS ``inputs ** -0.5``: outputs of order one.
+    A format of single-weight blocks with a scale per row (FP8) gets rows of ``32 * blocks + 3``
+    weights: an odd length, which a kernel tiling the row must mask."""
+    inputs = blocks * fmt.block_size if fmt.block_size > 1 else 32 * blocks + 3
+    outputs = 37
 
     def build(gen: torch.Generator) -> Inputs:
         qweight = random_blocks(outputs, inputs, fmt, inputs**-0.5, gen)
@@ -164,7 +167,7 @@ OP_TABLE: dict[str, OpSpec] = {
     "quantized_linear": OpSpec(
         tuple(
             case
-            for fmt in QUANT_FORMATS.values()
+            for fmt in ALL_QUANT_FORMATS.values()
             for case in (
                 _quantized_case("one-row", 1, fmt, 3, True),
                 _quantized_case("rows", 9, fmt, 2, False),

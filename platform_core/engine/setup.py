@@ -63,38 +63,46 @@ def apply_auto_dtype(config: EngineConfig, backend: Backend) -> EngineConfig:
 def resolve_quantization(
     config: EngineConfig, model_dir: Path, backend: Backend, dtype_was_auto: bool
 ) -> EngineConfig:
-    """``quantization`` None: ``"gguf"`` for a checkpoint with quantized blocks on a backend
-    with its own ``quantized_linear`` op, unless a dtype was asked for; else ``"none"``
-    (logged). ``"gguf"`` without blocks is a ConfigError.
+    """``quantization`` None: the checkpoint's own (``"gguf"`` for one with quantized blocks,
+    ``"fp8"`` for float8 weights) on a backend with its own ``quantized_linear`` op (for FP8,
+    one with a kernel for it: :func:`~platform_core.quantization.formats.has_kernel`), unless a
+    dtype was asked for; else ``"none"`` (logged). ``"gguf"`` without blocks is a ConfigError.
 
     Without its own op a backend would dequantize every weight on every step (the reference
     op): slower than dequantizing once at load, so ``auto`` does that instead.
     """
+    from platform_core.models.fp8_checkpoint import stored_fp8
     from platform_core.models.quantized_checkpoint import quantized_formats
+    from platform_core.quantization.formats import FP8_E4M3, has_kernel
 
     asked = config.model.quantization
-    formats = quantized_formats(model_dir)
-    if asked == "gguf" and not formats:
+    stored = "gguf" if quantized_formats(model_dir) else "fp8" if stored_fp8(model_dir) else None
+    if asked == "gguf" and stored != "gguf":
         raise ConfigError(
             f"quantization='gguf' needs a quantized GGUF checkpoint; {model_dir} keeps no "
             "quantized tensors"
         )
-    if asked is not None or not formats:
+    if asked is not None or stored is None:
         return config.replace(quantization=asked or "none")
+    op = backend.op_overrides().get("quantized_linear")
     if not dtype_was_auto:
         why = f"dtype={config.model.dtype} was asked for"
-    elif "quantized_linear" not in backend.op_overrides():
+    elif op is None:
         why = f"backend {backend.name} has no quantized_linear kernel of its own"
+    elif stored == "fp8" and not has_kernel(op, FP8_E4M3):
+        why = f"backend {backend.name}'s quantized_linear has no kernel for FP8_E4M3"
     else:
         logger.info(
-            "quantization gguf: the checkpoint's quantized linears compute on their blocks "
-            "(pass quantization='none' or a dtype to dequantize them)"
+            "quantization %s: the checkpoint's quantized linears compute on their weights as "
+            "stored (pass quantization='none' or a dtype to dequantize them)",
+            stored,
         )
-        return config.replace(quantization="gguf")
+        return config.replace(quantization=stored)
     logger.info(
         "quantization none: %s, so the checkpoint's quantized tensors run dequantized (pass "
-        "quantization='gguf' to keep them)",
+        "quantization='%s' to keep them)",
         why,
+        stored,
     )
     return config.replace(quantization="none")
 

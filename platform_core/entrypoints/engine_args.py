@@ -16,7 +16,8 @@ _HELP = {
     "model": "HF model directory, .gguf file, or a packaged model name (default: SmolLM2)",
     "backend": "backend name, or 'auto' for the best available one",
     "quantization": "gguf: keep a quantized GGUF's weights quantized (the default for one unless "
-    "--dtype is given); int8 / int4: quantize 16/32-bit weights at load time; none: dequantize",
+    "--dtype is given); int8 / int4 / fp8: quantize 16/32-bit weights at load time (fp8 also "
+    "keeps an FP8 checkpoint's weights as stored); none: dequantize",
 }
 
 

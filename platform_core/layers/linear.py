@@ -160,6 +160,8 @@ class RowParallelLinear(QuantizableLinear):
         shard, fmt = self.input_shard, self.quant
         if fmt is None:
             return (Placement(1, shard),)
+        # FP8 rows (a scale, then one byte a column) are never read as bytes: the loader maps
+        # this back to columns (in_features) and quantizes or copies the codes itself.
         columns = Shard(fmt.row_bytes(shard.start), self.weight.shape[1], fmt.row_bytes(shard.full))
         return (Placement(1, columns),)
 

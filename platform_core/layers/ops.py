@@ -8,7 +8,11 @@ Names and signatures:
 - ``"linear"``: :data:`platform_core.layers.linear.LinearFn` (``F.linear``'s signature)
 - ``"argmax"``: :data:`platform_core.layers.argmax.ArgmaxFn` (the sampler's row argmax)
 - ``"quantized_linear"``: :data:`platform_core.quantization.formats.QuantizedLinearFn` (a
-  linear on weights kept in a block format; since plugin API 1.4)
+  linear on weights kept in a block format; since plugin API 1.4). The op may name the formats
+  it has kernels for in a ``kernel_formats`` attribute (a set of format names; it hands the
+  others to the reference op; without one, the GGML block formats), so that the start-up log
+  and the automatic choice of ``quantization`` know
+  (:func:`platform_core.quantization.formats.has_kernel`).
 """
 
 from __future__ import annotations

@@ -7,8 +7,10 @@ part of the tensor is read from the file, after checking the tensor's full shape
 tensor with no slot, any slot left unfilled, or a shape mismatch is a ModelLoadError naming it.
 With ``quantization="gguf"`` the weights that keep their blocks (:mod:`.quantized_weights`) are
 filled from ``quantized/model.safetensors`` instead of the dequantized tensors of the same names;
-a quantized weight read from 16/32-bit tensors (``"int8"``, ``"int4"``) is quantized as it is
-read, this rank's part only.
+a quantized weight read from 16/32-bit tensors (``"int8"``, ``"int4"``, ``"fp8"``) is quantized
+as it is read, this rank's part only (an FP8 column shard reads its rows whole: each row's scale
+is the whole row's). Float8 weights with their scales (:mod:`.fp8_checkpoint`) are kept as stored
+in FP8 layers and dequantized as they are read into any other.
 """
 
 from __future__ import annotations
@@ -29,15 +31,17 @@ from platform_core.distributed.parallel_state import TPGroup
 from platform_core.errors import ConfigError, ModelLoadError
 from platform_core.layers.sharding import Placement, Shard, whole_placement
 from platform_core.models.checkpoint_names import checkpoint_names
+from platform_core.models.fp8_checkpoint import row_scales, scale_tensors
 from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
 from platform_core.models.quantized_weights import (
     LOAD_TIME_FORMATS,
     keep_weights_quantized,
     load_time_formats,
+    log_reference_formats,
 )
 from platform_core.models.registry import CausalLM, get_model_class
 from platform_core.plugins.interfaces import AttentionOps
-from platform_core.quantization.formats import QuantFormat, quantize
+from platform_core.quantization.formats import QuantFormat, fp8_rows, quantize
 
 _INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,6 +91,9 @@ def load_model(
         blocks = frozenset(keep_weights_quantized(model, formats).kept)
     elif quantization in LOAD_TIME_FORMATS:
         keep_weights_quantized(model, load_time_formats(model, quantization), quantization)
+    if quantization not in (None, "none"):
+        op = (op_overrides or {}).get("quantized_linear")
+        log_reference_formats(model, op, quantization)
     load_weights(model, Path(model_dir), blocks)
     return model.eval()
 
@@ -100,15 +107,16 @@ class _Slot:
     #: the block format of a quantized parameter
     quant: QuantFormat | None = None
 
-    def read(self, name: str, handle: Any) -> torch.Tensor:
+    def read(self, name: str, handle: Any, scale: torch.Tensor | None = None) -> torch.Tensor:
         """This slot's part of the checkpoint tensor ``name``, after checking its full shape;
         for a quantized parameter, blocks (quantized here from 16/32-bit values, which the
-        checkpoint indexes by column where the parameter indexes by byte)."""
+        checkpoint indexes by column where the parameter indexes by byte). A float8 tensor
+        (with its ``weight_scale``, ``scale``) fills an FP8_E4M3 parameter as stored, and any
+        other dequantized."""
         placement, fmt = self.placement, self.quant
         expected = placement.checkpoint_shape(self.param)
-        from_values = fmt is not None and handle.get_dtype() != "U8"
-        if from_values:
-            assert fmt is not None
+        stored = handle.get_dtype()
+        if fmt is not None and stored != "U8":  # values or float8 codes, indexed by column
             expected = (expected[0], fmt.in_features(expected[1]))
             if placement.dim == 1:
                 source = placement.source
@@ -117,8 +125,31 @@ class _Slot:
         shape = tuple(handle.get_shape())
         if shape != expected:
             raise ModelLoadError(f"weight {name!r} has shape {shape}, expected {expected}")
-        values = handle[placement.source_index()]
-        return quantize(values, fmt) if from_values and fmt is not None else values
+        if stored == "F8_E4M3":
+            return self._from_float8(name, handle, placement, scale)
+        if fmt is None or stored == "U8":
+            return handle[placement.source_index()]
+        columns = slice(None)
+        if fmt.scale_bytes and placement.dim == 1:  # the row's scale is the whole row's
+            source = placement.source
+            columns = slice(source.start, source.start + source.length)
+            placement = Placement(1, Shard.whole(source.full))
+        try:
+            return quantize(handle[placement.source_index()], fmt, columns)
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot quantize {name!r} to {fmt.name}: {exc}") from exc
+
+    def _from_float8(
+        self, name: str, handle: Any, placement: Placement, scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        index = placement.source_index()
+        rows = index[0] if placement.dim == 0 else slice(None)
+        scales = row_scales(name, scale, handle.get_shape()[0], rows)
+        codes = handle[index]
+        if self.quant is not None and self.quant.scale_bytes:
+            return fp8_rows(codes, scales)
+        values = codes.float() * scales
+        return values if self.quant is None else quantize(values, self.quant)
 
 
 def load_weights(
@@ -130,7 +161,8 @@ def load_weights(
     is_ignored = getattr(model, "is_ignored_weight", lambda _name: False)
     filled: set[str] = set()
     files = _safetensors_files(model_dir)
-    tensors = _tensors(files, skip=quantized)
+    scales = scale_tensors(files)  # of float8 weights (none in a 16/32-bit checkpoint)
+    tensors = _tensors(files, skip=quantized | scales.keys())
     if quantized:
         tensors = itertools.chain(tensors, _tensors([model_dir / QUANTIZED_FILE], only=quantized))
     for name, handle in tensors:
@@ -140,7 +172,8 @@ def load_weights(
                 continue
             raise ModelLoadError(f"unexpected weight {name!r} in {model_dir}")
         with torch.no_grad():
-            slot.placement.destination(slot.param).copy_(slot.read(name, handle))
+            part = slot.read(name, handle, scales.get(f"{name}_scale"))
+            slot.placement.destination(slot.param).copy_(part)
         filled.add(name)
     missing = sorted(set(slots) - filled)
     if missing:

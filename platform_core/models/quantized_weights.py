@@ -11,6 +11,8 @@ With ``"int8"`` / ``"int4"`` the loader quantizes 16/32-bit weights as it reads 
 (:func:`load_time_formats`): linears to Q8_0 / Q4_1, the embedding and output head to Q8_0 in
 both (8 bits keep the logits close; they are a large share of a small model's bytes). A weight
 whose rows (or this rank's share of them) are not whole blocks of 32 stays 16/32-bit, logged.
+With ``"fp8"`` the linears become FP8_E4M3 (a float32 scale per output row, any shape); the
+embedding and output head stay 16/32-bit, as in the FP8 checkpoints other engines serve.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from torch import nn
 from platform_core.errors import ModelLoadError
 from platform_core.layers.linear import QuantizableLinear, QuantizableWeight
 from platform_core.models.checkpoint_names import checkpoint_names
-from platform_core.quantization.formats import QUANT_FORMATS
+from platform_core.quantization.formats import (
+    ALL_QUANT_FORMATS,
+    QUANT_FORMATS,
+    QuantizedLinearFn,
+    has_kernel,
+)
 
 logger = logging.getLogger("platform_core.models")
 
@@ -50,16 +57,37 @@ def quantized_summary(model: nn.Module) -> str | None:
     return "quantized " + ", ".join(f"{f} x {n}" for f, n in sorted(counts.items()))
 
 
-LOAD_TIME_FORMATS = {"int8": "Q8_0", "int4": "Q4_1"}
+def log_reference_formats(model: nn.Module, op: QuantizedLinearFn | None, mode: str) -> None:
+    """Log each format the model keeps that the backend's ``quantized_linear`` ``op`` (None: it
+    has none) has no kernel for: those layers run the core's reference op."""
+    formats = {m.quant.name: m.quant for m in quantized_layers(model) if m.quant}
+    why = "the backend has no quantized_linear op" if op is None else "no backend kernel for it"
+    for name, fmt in sorted(formats.items()):
+        if not has_kernel(op, fmt):
+            logger.info(
+                "quantization %s: the %s layers run the core's reference op (dequantize, then "
+                "matmul, on every call): %s",
+                mode,
+                name,
+                why,
+            )
+
+
+# mode -> the linears' format; and the embedding's and output head's (none: 16/32-bit)
+LOAD_TIME_FORMATS = {"int8": "Q8_0", "int4": "Q4_1", "fp8": "FP8_E4M3"}
+_TABLE_FORMATS = {"int8": "Q8_0", "int4": "Q8_0"}
 
 
 def load_time_formats(model: nn.Module, mode: str) -> dict[str, str]:
-    """Checkpoint name -> format for quantizing at load time (``mode`` int8 or int4)."""
+    """Checkpoint name -> format for quantizing at load time (``mode`` int8, int4 or fp8)."""
     formats = {}
     for module_name, module in model.named_modules():
         if isinstance(module, QuantizableWeight):
-            fmt = LOAD_TIME_FORMATS[mode] if isinstance(module, QuantizableLinear) else "Q8_0"
-            formats.update(dict.fromkeys(checkpoint_names(module_name, module, "weight"), fmt))
+            linear = isinstance(module, QuantizableLinear)
+            fmt = LOAD_TIME_FORMATS[mode] if linear else _TABLE_FORMATS.get(mode)
+            if fmt is not None:
+                names = checkpoint_names(module_name, module, "weight")
+                formats.update(dict.fromkeys(names, fmt))
     return formats
 
 
@@ -83,7 +111,7 @@ def keep_weights_quantized(
             outcome.dequantized.update(dict.fromkeys(names, why))
             continue
         (type_name,) = stored
-        fmt = QUANT_FORMATS.get(str(type_name))
+        fmt = (QUANT_FORMATS if mode == "gguf" else ALL_QUANT_FORMATS).get(str(type_name))
         if fmt is None:
             raise ModelLoadError(
                 f"{names[0]} is stored as GGUF type {type_name}, which platform-core does not "

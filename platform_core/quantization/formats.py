@@ -18,10 +18,21 @@ The layouts (``d``, ``m``, ``dmin`` are float16; ``q`` are the stored integers):
   first, high the second); ``w = d * scale * q - dmin * min``.
 - ``Q6_K``: 256 weights in two halves of 128: 128 bytes of low nibbles, 64 bytes of high 2-bit
   pairs, 16 int8 scales (one per 16 weights), then ``d``; ``w = d * scale * (q - 32)``.
+- ``FP8_E4M3``: per-output-channel FP8. A row is its float32 scale ``s`` (4 bytes), then one
+  float8 e4m3 (``e4m3fn``: no infinities, ``0x7F``/``0xFF`` are NaN) byte ``q`` per weight;
+  ``w = s * q``. A per-tensor scale is the same ``s`` in every row.
+
+FP8 fits the same contract (``uint8 [rows, row_bytes]``, ``quantized_linear(x, qweight, fmt,
+bias)``) as a format whose blocks are single weights and whose rows start with their scale
+(``scale_bytes``). Keeping the scale inside the row, rather than as a second tensor beside the
+weight, leaves the op's signature, the layers and the loader's row shards and fused parts (rows
+stacked) as they are for the GGML formats. A column shard (a row-parallel linear under tensor
+parallelism) is the row's scale then its own columns: the scale is the whole row's, so every
+rank holds the same values as one rank would (the loader quantizes with the full row's scale).
 
 :func:`quantized_linear` (dequantize, then ``F.linear``) is the reference every backend's
-``quantized_linear`` op is checked against. :func:`quantize` makes Q8_0 and Q4_1 blocks from
-16/32-bit weights (``quantization="int8"`` / ``"int4"`` at load time).
+``quantized_linear`` op is checked against. :func:`quantize` makes Q8_0, Q4_1 and FP8_E4M3
+weights from 16/32-bit ones (``quantization="int8"`` / ``"int4"`` / ``"fp8"`` at load time).
 """
 
 from __future__ import annotations
@@ -36,12 +47,14 @@ import torch.nn.functional as F
 @dataclass(frozen=True, slots=True)
 class QuantFormat:
     """A block format: ``block_size`` weights stored in ``block_bytes`` bytes, with float16
-    scale fields at byte offsets ``half_fields`` of each block."""
+    scale fields at byte offsets ``half_fields`` of each block; each row starts with a float32
+    scale of ``scale_bytes`` (4) when the format has one per row (FP8), else 0."""
 
     name: str
     block_size: int
     block_bytes: int
     half_fields: tuple[int, ...]
+    scale_bytes: int = 0
 
     def row_bytes(self, in_features: int) -> int:
         """Bytes of one weight row of ``in_features`` (a multiple of ``block_size``)."""
@@ -50,11 +63,11 @@ class QuantFormat:
                 f"{self.name} stores rows in blocks of {self.block_size} weights; "
                 f"{in_features} is not a multiple"
             )
-        return in_features // self.block_size * self.block_bytes
+        return self.scale_bytes + in_features // self.block_size * self.block_bytes
 
     def in_features(self, row_bytes: int) -> int:
         """The weights in a row of ``row_bytes`` bytes."""
-        return row_bytes // self.block_bytes * self.block_size
+        return (row_bytes - self.scale_bytes) // self.block_bytes * self.block_size
 
 
 Q8_0 = QuantFormat("Q8_0", 32, 34, (0,))
@@ -62,7 +75,11 @@ Q4_0 = QuantFormat("Q4_0", 32, 18, (0,))
 Q4_1 = QuantFormat("Q4_1", 32, 20, (0, 2))
 Q4_K = QuantFormat("Q4_K", 256, 144, (0, 2))
 Q6_K = QuantFormat("Q6_K", 256, 210, (208,))
-QUANT_FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}
+QUANT_FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)}  # the GGML block formats
+FP8_E4M3 = QuantFormat("FP8_E4M3", 1, 1, (), scale_bytes=4)
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn
+# every format the quantized_linear op takes (the conformance suite checks each)
+ALL_QUANT_FORMATS = {**QUANT_FORMATS, FP8_E4M3.name: FP8_E4M3}
 
 # ``(x, qweight, fmt, bias) -> x @ dequantize(qweight, fmt).T (+ bias)`` in ``x``'s dtype.
 QuantizedLinearFn = Callable[
@@ -74,36 +91,73 @@ def random_blocks(
     rows: int, in_features: int, fmt: QuantFormat, weight_rms: float, gen: torch.Generator
 ) -> torch.Tensor:
     """Random ``fmt`` weights of about ``weight_rms``: random bytes (every bit of every integer
-    field), with one scale in every float16 field. Test inputs for ``quantized_linear`` ops."""
+    field), with one scale in every float16 field; FP8 rows get scales that differ by up to 4x
+    and every code but NaN. Test inputs for ``quantized_linear`` ops."""
     qweight = torch.randint(0, 256, (rows, fmt.row_bytes(in_features)), generator=gen)
-    blocks = qweight.to(torch.uint8).unflatten(1, (-1, fmt.block_bytes))
+    qweight = qweight.to(torch.uint8)
+    row_scales = None
+    if fmt.scale_bytes:
+        codes = qweight[:, fmt.scale_bytes :]
+        codes[(codes & 0x7F) == 0x7F] ^= 1  # NaN -> +-448
+        row_scales = 0.5 + 1.5 * torch.rand(rows, 1, generator=gen)
+    blocks = qweight[:, fmt.scale_bytes :].unflatten(1, (-1, fmt.block_bytes))
 
     def set_scales(scale: float) -> None:
+        if row_scales is not None:
+            qweight[:, : fmt.scale_bytes] = _float32_bytes(row_scales * scale)
         half = torch.tensor([scale], dtype=torch.float16).view(torch.uint8)
         for offset in fmt.half_fields:
             blocks[..., offset : offset + 2] = half
 
     set_scales(1.0)  # every weight is linear in the common scale: measure, then rescale
-    measured = dequantize(blocks.flatten(1), fmt).pow(2).mean().sqrt().item()
+    measured = dequantize(qweight, fmt).pow(2).mean().sqrt().item()
     set_scales(weight_rms / measured)
-    return blocks.flatten(1)
+    return qweight
+
+
+def _float_from_bits(
+    bits: torch.Tensor, exponent_bits: int, mantissa_bits: int, ieee_specials: bool = True
+) -> torch.Tensor:
+    """IEEE-style floating-point bit patterns (integers, sign in the top bit) -> float32.
+
+    Decoded with arithmetic, exactly: reinterpreting bytes as another dtype (a dtype view)
+    cannot be traced, and the CPU backend traces one-token steps, embedding lookups included.
+    With ``ieee_specials`` an all-ones exponent is infinity or NaN; without (float8 e4m3fn) it
+    holds finite values and only an all-ones mantissa there is NaN.
+    """
+    bias = (1 << (exponent_bits - 1)) - 1
+    top = (1 << exponent_bits) - 1
+    exponent = (bits >> mantissa_bits) & top
+    mantissa = bits & ((1 << mantissa_bits) - 1)
+    fraction = mantissa.float() / (1 << mantissa_bits)
+    normal = torch.ldexp(1.0 + fraction, exponent - bias)
+    subnormal = torch.ldexp(fraction, torch.full_like(bits, 1 - bias))
+    value = torch.where(exponent == 0, subnormal, normal)
+    if ieee_specials:
+        special = torch.where(mantissa == 0, torch.inf, torch.nan)
+        value = torch.where(exponent == top, special, value)
+    else:
+        nan = (exponent == top) & (mantissa == (1 << mantissa_bits) - 1)
+        value = torch.where(nan, torch.nan, value)
+    negative = ((bits >> (exponent_bits + mantissa_bits)) & 1) == 1
+    return torch.where(negative, -value, value)
 
 
 def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The float16 at byte ``offset`` of every block, as float32 ``[..., 1]``.
-
-    Decoded from its bits with arithmetic, exactly: reinterpreting bytes as float16 (a dtype
-    view) cannot be traced, and the CPU backend traces one-token steps, embedding lookups
-    included.
-    """
+    """The float16 at byte ``offset`` of every block, as float32 ``[..., 1]``."""
     bits = blocks[..., offset].to(torch.int32) | (blocks[..., offset + 1].to(torch.int32) << 8)
-    exponent = (bits >> 10) & 0x1F
-    fraction = (bits & 0x3FF).float() / 1024.0
-    normal = torch.ldexp(1.0 + fraction, exponent - 15)
-    value = torch.where(exponent == 0, torch.ldexp(fraction, torch.full_like(bits, -14)), normal)
-    special = torch.where(fraction == 0, torch.inf, torch.nan)
-    value = torch.where(exponent == 0x1F, special, value)
-    return torch.where((bits >> 15) == 1, -value, value).unsqueeze(-1)
+    return _float_from_bits(bits, 5, 10).unsqueeze(-1)
+
+
+def _float32_at(rows: torch.Tensor, offset: int) -> torch.Tensor:
+    """The little-endian float32 at byte ``offset`` of every row, as ``[..., 1]``."""
+    bits = sum(rows[..., offset + i].to(torch.int64) << (8 * i) for i in range(4))
+    return _float_from_bits(bits, 8, 23).unsqueeze(-1)
+
+
+def _e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3fn bytes -> float32."""
+    return _float_from_bits(codes.to(torch.int32), 4, 3, ieee_specials=False)
 
 
 def _signed(packed: torch.Tensor) -> torch.Tensor:
@@ -171,6 +225,9 @@ def dequantize(
         raise ValueError(
             f"quantized weights are uint8 [rows, bytes], got {qweight.dtype} {tuple(qweight.shape)}"
         )
+    if fmt.scale_bytes:  # FP8: the row's scale times each weight's code
+        codes = qweight[:, fmt.scale_bytes :]
+        return (_float32_at(qweight, 0) * _e4m3(codes)).to(dtype)
     try:  # no test of the row's length here: it would stop the CPU backend's trace
         blocks = qweight.unflatten(1, (-1, fmt.block_bytes))
     except RuntimeError as exc:
@@ -183,6 +240,29 @@ def dequantize(
 def _half_bytes(values: torch.Tensor) -> torch.Tensor:
     """float32 ``[..., 1]`` -> its float16's two bytes ``[..., 2]``."""
     return values.to(torch.float16).view(torch.uint8)
+
+
+def _float32_bytes(values: torch.Tensor) -> torch.Tensor:
+    """float ``[..., 1]`` -> its float32's four bytes ``[..., 4]``."""
+    return values.to(torch.float32).contiguous().view(torch.uint8)
+
+
+def fp8_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``float8_e4m3fn [rows, in_features]`` codes and float32 scales (one per row ``[rows,
+    1]``, or one for the tensor) -> FP8_E4M3 rows ``uint8 [rows, 4 + in_features]``."""
+    scales = scales.to(torch.float32).reshape(-1, 1).expand(codes.shape[0], 1)
+    return torch.cat((_float32_bytes(scales), codes.contiguous().view(torch.uint8)), dim=-1)
+
+
+def _quantize_fp8(weights: torch.Tensor, columns: slice) -> torch.Tensor:
+    """Rows scaled by ``max |w| / 448`` (of the whole row), then rounded to the nearest e4m3;
+    only ``columns`` are kept (a column shard's rows hold the whole row's scale)."""
+    if not torch.isfinite(weights).all():
+        raise ValueError("FP8 quantization needs finite weights; this tensor has inf or NaN")
+    scale = weights.abs().amax(-1, keepdim=True) / FP8_MAX
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    codes = (weights[:, columns] * inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return fp8_rows(codes, scale)
 
 
 def _quantize_q8_0(groups: torch.Tensor) -> torch.Tensor:
@@ -206,16 +286,21 @@ def _round_half_away(values: torch.Tensor) -> torch.Tensor:
 
 
 _QUANTIZERS = {"Q8_0": _quantize_q8_0, "Q4_1": _quantize_q4_1}
-QUANTIZABLE = tuple(_QUANTIZERS)
+QUANTIZABLE = (*_QUANTIZERS, FP8_E4M3.name)
 
 
-def quantize(weights: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
-    """``[rows, in_features]`` float weights -> ``uint8 [rows, row_bytes]`` blocks of ``fmt``
-    (one of :data:`QUANTIZABLE`): per 32 weights, Q8_0 keeps ``max |w| / 127`` and rounds to
-    the nearest step; Q4_1 keeps the minimum and ``(max - min) / 15`` (each float16, and the
-    rounding uses the float16 values, so the error is at most half a step)."""
+def quantize(weights: torch.Tensor, fmt: QuantFormat, columns: slice = slice(None)) -> torch.Tensor:
+    """``[rows, in_features]`` float weights -> ``uint8 [rows, row_bytes]`` of ``fmt`` (one of
+    :data:`QUANTIZABLE`), of the weights' ``columns`` only (whole blocks). Per 32 weights, Q8_0
+    keeps ``max |w| / 127`` and rounds to the nearest step; Q4_1 keeps the minimum and ``(max -
+    min) / 15`` (each float16, and the rounding uses the float16 values, so the error is at most
+    half a step). FP8_E4M3 keeps ``max |w| / 448`` of each whole row (float32) and rounds each
+    weight to the nearest e4m3 value: a relative error of at most 2^-4."""
+    if fmt.scale_bytes:
+        return _quantize_fp8(weights.float(), columns)
     if fmt.name not in _QUANTIZERS:
         raise ValueError(f"cannot quantize to {fmt.name}; can: {QUANTIZABLE}")
+    weights = weights[:, columns]
     fmt.row_bytes(weights.shape[1])  # a ValueError unless whole blocks
     groups = weights.float().unflatten(1, (-1, fmt.block_size))
     return _QUANTIZERS[fmt.name](groups).flatten(1)
@@ -226,3 +311,14 @@ def quantized_linear(
 ) -> torch.Tensor:
     """The reference :data:`QuantizedLinearFn`: dequantize to ``x``'s dtype, then ``F.linear``."""
     return F.linear(x, dequantize(qweight, fmt, x.dtype), bias)
+
+
+def has_kernel(op: QuantizedLinearFn | None, fmt: QuantFormat) -> bool:
+    """Whether a backend's ``quantized_linear`` ``op`` (None: it has none) computes on ``fmt``
+    with a kernel of its own rather than through :func:`quantized_linear`. An op may name the
+    formats it has kernels for in a ``kernel_formats`` attribute; one that names none is taken
+    to have kernels for the GGML block formats (:data:`QUANT_FORMATS`, the op's formats before
+    FP8 joined them), so FP8 on it is taken to run the reference op."""
+    if op is None or op is quantized_linear:
+        return False
+    return fmt.name in getattr(op, "kernel_formats", QUANT_FORMATS)

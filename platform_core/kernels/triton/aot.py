@@ -15,7 +15,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from platform_core.kernels.triton import paged_attention, split_kv, write_kv
+from platform_core.kernels.triton import fp8_linear, paged_attention, split_kv, write_kv
 from platform_core.kernels.triton.launch import AttentionPlan, LaunchParams
 
 TARGETS = {
@@ -105,3 +105,13 @@ def compile_combine(
     types = {"out_ptr": "*" + _TYPE_NAMES[dtype], "partial_ptr": "*fp32", "lse_ptr": "*fp32"}
     constants = split_kv.combine_constants(num_splits, head_size, head_pad)
     return _compile(split_kv._combine_kernel, types, constants, target, params)
+
+
+def compile_fp8_linear(
+    target: str, dtype: torch.dtype, rows: int, params: LaunchParams
+) -> CompiledKernel:
+    """Compile the FP8 linear kernel as it is launched for ``rows`` rows of ``dtype``."""
+    data = "*" + _TYPE_NAMES[dtype]
+    types = {"x_ptr": data, "w_ptr": "*u8", "bias_ptr": data, "y_ptr": data}
+    constants = fp8_linear.fp8_linear_constants(rows, dtype, has_bias=True, interpret=False)
+    return _compile(fp8_linear._fp8_linear_kernel, types, constants, target, params)

@@ -8,8 +8,9 @@ high, so no interleaving is needed) and accumulates ``x`` times the decoded weig
 The dot runs in the activations' dtype on a GPU (float32 under the interpreter, which computes
 ``tl.dot`` in float32 only). Steps of more than ``GEMM_ROWS`` rows (prefill) dequantize the
 weight and run the vendor's GEMM instead: compute-bound there, the decode kernel's tiles would
-lose to it, and one pass over the weight costs little beside the product. Other formats fall
-back to the reference op (:func:`quantized_linear_op`).
+lose to it, and one pass over the weight costs little beside the product. FP8_E4M3 rows have
+their own kernel (:mod:`.fp8_linear`) behind the same rule; other formats fall back to the
+reference op (:func:`quantized_linear_op`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import triton
 import triton.language as tl
 
 from platform_core.kernels.triton import triton_interpreting
-from platform_core.quantization.formats import QuantFormat, quantized_linear
+from platform_core.kernels.triton.fp8_linear import triton_fp8_linear
+from platform_core.quantization.formats import FP8_E4M3, QuantFormat, quantized_linear
 
 GEMM_ROWS = 128
 
@@ -29,6 +31,8 @@ logger = logging.getLogger("platform_core.kernels")
 
 # format name -> the kernel's FORMAT constant
 KERNEL_FORMATS = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+# every format with a kernel here (FP8_E4M3's is :mod:`.fp8_linear`)
+WITH_KERNELS = frozenset({*KERNEL_FORMATS, FP8_E4M3.name})
 
 
 @triton.jit
@@ -140,13 +144,15 @@ _FALLBACK_LOGGED: set[str] = set()
 def quantized_linear_op(
     x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """The GPU backends' ``quantized_linear``: the kernel for its formats up to ``GEMM_ROWS``
+    """The GPU backends' ``quantized_linear``: the kernels for their formats up to ``GEMM_ROWS``
     rows, else the reference (dequantize, then the vendor GEMM); a format without a kernel is
     logged once."""
     rows = x.numel() // x.shape[-1]
-    if fmt.name in KERNEL_FORMATS and qweight.is_contiguous() and rows <= GEMM_ROWS:
+    if fmt.name in WITH_KERNELS and qweight.is_contiguous() and rows <= GEMM_ROWS:
+        if fmt.name == FP8_E4M3.name:
+            return triton_fp8_linear(x, qweight, bias)
         return triton_quantized_linear(x, qweight, fmt, bias)
-    if fmt.name in KERNEL_FORMATS:
+    if fmt.name in WITH_KERNELS:
         return quantized_linear(x, qweight, fmt, bias)
     if fmt.name not in _FALLBACK_LOGGED:
         _FALLBACK_LOGGED.add(fmt.name)
@@ -156,3 +162,6 @@ def quantized_linear_op(
             fmt.name,
         )
     return quantized_linear(x, qweight, fmt, bias)
+
+
+quantized_linear_op.kernel_formats = WITH_KERNELS  # read by has_kernel
