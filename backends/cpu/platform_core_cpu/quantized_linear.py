@@ -4,8 +4,9 @@ Decode-sized steps round the activations to 8 bits per 32 values and take intege
 with the weights' blocks (VNNI on the ``avx512_bf16`` build, AVX2's byte multiply-adds below
 it), so a step reads the blocks' bytes, not a dequantized copy; prefill-sized steps dequantize
 cache-sized chunks of weight rows into torch's fp32 matmul (``csrc/quantized_linear.cpp``).
-Inputs the kernel does not take (other dtypes, formats without a kernel) go to the core's
-reference op, which dequantizes on every call.
+Inputs the kernel does not take (other dtypes, formats without a kernel: FP8_E4M3, whose layers
+the loader then logs as running the reference op) go to the core's reference op, which
+dequantizes on every call.
 """
 
 from __future__ import annotations
@@ -40,4 +41,5 @@ def compiled_quantized_linear(ops: Any) -> QuantizedLinearFn:
         out = ops.quantized_linear(rows, qweight.contiguous(), fmt.name, bias)
         return out.view(*x.shape[:-1], qweight.shape[0])
 
+    cpu_quantized_linear.kernel_formats = KERNEL_FORMATS  # read by the core's has_kernel
     return cpu_quantized_linear
