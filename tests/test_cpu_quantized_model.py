@@ -2,7 +2,7 @@
 ISA level this CPU runs, against the same engine with that op replaced by the core's reference
 op applied to activations rounded as the kernel rounds them.
 
-Up to 32 rows the kernel rounds each 32 activations to 8 bits, 16 for Q8_0 (about 0.5% of a
+Up to 16 rows the kernel rounds each 32 activations to 8 bits, 16 for Q8_0 (about 0.5% of a
 4-bit linear's output RMS). A tiny random model's flat logits amplify that into other greedy
 tokens, so the reference rounds the activations the same way; then both compute the same sums,
 and the tokens must be the same and the logprobs equal but for a rare rounding tie. This checks
@@ -13,12 +13,14 @@ tests/test_default_model.py.
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import pytest
 from gguf_utils import write_tiny_gguf
 from platform_core_cpu import quantized_linear as cpu_quantized_linear
 from platform_core_cpu.isa import ISA_ENV, host_isa
-from test_cpu_quantized_linear import rounded_like_the_kernel
+from test_cpu_quantized_linear import integer_rows_max, rounded_like_the_kernel
 from test_quantized_gguf import PROMPTS, _summary
 
 from platform_core import LLM, SamplingParams
@@ -31,7 +33,6 @@ SHAPES = {name: {"ffn": 128} for name in ("Q8_0", "Q4_0", "Q4_1")} | {
     name: {"hidden": 256, "ffn": 512}
     for name in ("Q4_K", "Q6_K")  # rows of 256 weights
 }
-INTEGER_ROWS_MAX = 32  # the kernel's kIntegerRowsMax
 # The two sum in different orders, so an activation at a rounding tie may round one step apart
 # in one of them (seen: 0.008 once); unmatched rounding moves logprobs by 0.02-0.5 and tokens.
 LOGPROB_ATOL = 0.02
@@ -51,10 +52,12 @@ def models(tmp_path_factory):
 
 
 def _reference_on_rounded_activations(_ops):
-    """The reference op on activations rounded as the kernel rounds them (up to 32 rows)."""
+    """The reference op on activations rounded as the kernel rounds them (where it takes
+    integer dot products)."""
 
     def op(x, qweight, fmt, bias):
-        if x.reshape(-1, x.shape[-1]).shape[0] <= INTEGER_ROWS_MAX:
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        if rows <= integer_rows_max(os.environ[ISA_ENV], x.dtype):
             x = rounded_like_the_kernel(x, fmt.name).to(x.dtype)
         return quantized_linear(x, qweight, fmt, bias)
 

@@ -2,19 +2,20 @@
 // y = x W^T (+ b) with x [M, K] (float32 or bf16) and W [N, row_bytes] uint8, each row its
 // blocks back to back (platform_core/quantization/formats.py has the layouts).
 //
-// - Up to kIntegerRowsMax rows (decode): x is rounded to integers per 32 values (a float scale
-//   and the scaled sum of each half): to 8 bits for 4- and 6-bit weights, whose own rounding
-//   is far coarser, and to 16 bits for Q8_0, whose 8-bit activations would double its error
-//   (and flip near-ties of the logits: Q8_0 is the usual output head). Each 32 weights meet
-//   them in integer dot products: VNNI's vpdpbusd / vpdpwssd where the build has AVX512-VNNI,
-//   AVX2's vpmaddubsw / vpmaddwd otherwise, plain loops on generic builds. Every format reduces
-//   to "w = a * q + c per 16 weights" with q an 8-bit integer, so a 32-weight block adds
-//   (a * dx) * sum(q * qx) + c * dx * sum(qx).
-//   The weights stream from memory once per call, at a quarter to an eighth of bf16's bytes:
-//   decode is bound by reading them. Threads take bands of weight rows; each row's blocks are
-//   decoded once for up to four rows of x, and one row of x meets four weight rows at a time.
-// - More rows (prefill, bound by arithmetic): chunks of weight rows, small enough to stay in
-//   cache, are dequantized to fp32 and go through torch's fp32 matmul, as linear_bf16 does.
+// - Up to 16 rows (8 where the alternative is a bf16 matmul; decode): x is rounded to
+//   integers per 32 values (a float scale and the scaled sum of each half): to 8 bits for 4-
+//   and 6-bit weights, whose own rounding is far coarser, and to 16 bits for Q8_0, whose 8-bit
+//   activations would double its error (and flip near-ties of the logits: Q8_0 is the usual
+//   output head). Each 32 weights meet them in integer dot products: VNNI's vpdpbusd /
+//   vpdpwssd where the build has AVX512-VNNI, AVX2's vpmaddubsw / vpmaddwd otherwise, plain
+//   loops on generic builds. Every format reduces to "w = a * q + c per 16 weights" with q an
+//   8-bit integer, so a 32-weight block adds (a * dx) * sum(q * qx) + c * dx * sum(qx).
+//   The weights stream from memory once per call, at a quarter to an eighth of bf16's bytes.
+//   Threads take bands of weight rows; each row's blocks are decoded once for up to four rows
+//   of x, and one row of x meets four weight rows at a time.
+// - More rows (prefill, large batches: bound by arithmetic): chunks of up to 4M weights are
+//   dequantized (vectorized) and go through torch's matmul, in bf16 on AVX512-BF16 builds for
+//   bf16 x, else in fp32. Larger chunks measured faster: fewer, wider matmuls.
 
 #include "cpu_kernels.h"
 #include "vec_math.h"
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -34,8 +36,10 @@
 namespace platform_core_cpu {
 namespace {
 
-constexpr int64_t kIntegerRowsMax = 32;
-constexpr int64_t kChunkElements = 1 << 18;  // fp32 weights dequantized per matmul: 1 MiB
+// Rows up to which the integer dot products beat dequantizing into a matmul (Q4_1 at SmolLM2's
+// shapes, benchmarks/RESULTS.md): 8 where that matmul runs in bf16 on AVX512-BF16, else 16.
+constexpr int64_t kIntegerRowsMaxBf16 = 8, kIntegerRowsMax = 16;
+constexpr int64_t kChunkElements = 1 << 22;  // weights dequantized per matmul (16 MiB fp32)
 constexpr int64_t kTileRows = 4;             // rows of x that share one decode of a weight row
 
 float half_to_float(const uint8_t* p) {
@@ -547,44 +551,93 @@ void integer_linear(const RoundedRows<typename F::Activation>& x, int64_t m, con
   });
 }
 
-// Weight rows [0, rows) of `w` dequantized to fp32 rows of `k` at `out`.
-template <class F>
-void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, float* out) {
+// The 32 weights a * q + c of one part (a, c: a[0], c[0] for elements 0-15 and a[Slots - 1],
+// c[Slots - 1] for 16-31) as W (fp32, or bf16 rounded to nearest even) at `out`.
+template <bool Signed, int Slots, typename W>
+inline void write_part(Quants quants, const float* a, const float* c, W* out) {
+#if defined(__AVX2__)
+  for (int quarter = 0; quarter < 4; ++quarter) {
+    const __m128i bytes = quarter < 2 ? _mm256_castsi256_si128(quants)
+                                      : _mm256_extracti128_si256(quants, 1);
+    const __m128i eight = quarter % 2 ? _mm_srli_si128(bytes, 8) : bytes;
+    const __m256i ints = Signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+    const int t = quarter < 2 ? 0 : Slots - 1;
+    const __m256 values = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(a[t]),
+                                          _mm256_set1_ps(c[t]));
+    if constexpr (std::is_same_v<W, float>) {
+      _mm256_storeu_ps(out + 8 * quarter, values);
+    } else {
+#if defined(__AVX512BF16__)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * quarter),
+                       (__m128i)_mm256_cvtneps_pbh(values));
+#else
+      float spilled[8];
+      _mm256_storeu_ps(spilled, values);
+      for (int e = 0; e < 8; ++e) out[8 * quarter + e] = from_float<W>(spilled[e]);
+#endif
+    }
+  }
+#else
+  uint8_t q[32];
+  store_quants(quants, q);
+  for (int half = 0; half < 2; ++half) {
+    const float scale = a[half * (Slots - 1)], offset = c[half * (Slots - 1)];
+    for (int e = 16 * half; e < 16 * half + 16; ++e) {
+      const float value = Signed ? static_cast<float>(static_cast<int8_t>(q[e])) : q[e];
+      out[e] = from_float<W>(scale * value + offset);
+    }
+  }
+#endif
+}
+
+// Weight rows [0, rows) of `w` dequantized to rows of `k` values W (fp32 or bf16) at `out`.
+template <class F, typename W>
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, W* out) {
   const int64_t blocks = row_bytes / F::kBytes;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    uint8_t q[32];
     float a[F::kParts * F::kSlots], c[F::kParts * F::kSlots];
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t s = 0; s < blocks; ++s) {
         const uint8_t* block = w + row * row_bytes + s * F::kBytes;
         F::scales(block, a, c);
         for (int j = 0; j < F::kParts; ++j) {
-          store_quants(F::quants(block, j), q);
-          float* part = out + row * k + (s * F::kParts + j) * 32;
-          for (int e = 0; e < 32; ++e) {
-            const float value = F::kSigned ? static_cast<float>(static_cast<int8_t>(q[e]))
-                                           : static_cast<float>(q[e]);
-            const int t = j * F::kSlots + (F::kSlots == 2 ? e / 16 : 0);
-            part[e] = a[t] * value + c[t];
-          }
+          write_part<F::kSigned, F::kSlots>(F::quants(block, j), a + j * F::kSlots,
+                                            c + j * F::kSlots,
+                                            out + row * k + (s * F::kParts + j) * 32);
         }
       }
     }
   });
 }
 
+// The dtype the dequantized matmul runs in: bf16 where x is bf16 and the build has AVX512-BF16
+// (oneDNN's bf16 GEMM runs on it at about twice fp32's rate), else fp32.
+at::ScalarType matmul_dtype(const at::Tensor& x) {
+#if defined(__AVX512BF16__)
+  return x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+#else
+  return at::kFloat;
+#endif
+}
+
+// x times chunks of weight rows dequantized into torch's matmul, in `compute`.
 template <class F>
 void dequantized_matmul(const at::Tensor& x, const at::Tensor& qweight, int64_t k,
-                        const at::Tensor& bias, at::Tensor& out) {
-  const at::Tensor xf = x.to(at::kFloat);
+                        const at::Tensor& bias, at::ScalarType compute, at::Tensor& out) {
+  const at::Tensor xc = x.to(compute);
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1);
   const int64_t chunk = std::max<int64_t>(16, kChunkElements / std::max<int64_t>(1, k));
-  at::Tensor weights = new_tensor({std::min(chunk, n), k}, at::kFloat);
+  at::Tensor weights = new_tensor({std::min(chunk, n), k}, compute);
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   for (int64_t start = 0; start < n; start += chunk) {
     const int64_t len = std::min(chunk, n - start);
-    dequantize_rows<F>(w + start * row_bytes, row_bytes, len, k, weights.data_ptr<float>());
-    at::Tensor part = xf.mm(weights.narrow(0, 0, len).t());
+    if (compute == at::kBFloat16) {
+      dequantize_rows<F>(w + start * row_bytes, row_bytes, len, k,
+                         weights.data_ptr<c10::BFloat16>());
+    } else {
+      dequantize_rows<F>(w + start * row_bytes, row_bytes, len, k, weights.data_ptr<float>());
+    }
+    at::Tensor part = xc.mm(weights.narrow(0, 0, len).t());
     if (bias.defined()) part.add_(bias.narrow(0, start, len));
     out.narrow(1, start, len).copy_(part);
   }
@@ -599,8 +652,9 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
               " weights in whole blocks");
   at::Tensor out = new_tensor({m, n}, x.scalar_type());
   if (m == 0 || n == 0) return out;
-  if (m > kIntegerRowsMax) {
-    dequantized_matmul<F>(x, qweight, k, bias, out);
+  const at::ScalarType compute = matmul_dtype(x);
+  if (m > (compute == at::kBFloat16 ? kIntegerRowsMaxBf16 : kIntegerRowsMax)) {
+    dequantized_matmul<F>(x, qweight, k, bias, compute, out);
     return out;
   }
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
