@@ -168,3 +168,16 @@ def test_the_backend_overrides_quantized_linear_at_every_level(monkeypatch, leve
         else ("AVX2" if backend.isa.at_least("avx2") else "plain loops")
     )
     assert f"quantized linears: integer dot products ({integer_dots})" in paths
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_activation_gives_nan_outputs_as_the_reference(level, bad):
+    fmt = QUANT_FORMATS["Q4_1"]
+    weight = random_blocks(5, 64, fmt, 0.05, torch.Generator().manual_seed(2))
+    x = torch.randn(2, 64)
+    x[0, 40] = bad  # row 0's second block; row 1 stays finite
+    got = _ops(level).quantized_linear(x, weight, "Q4_1", None)
+    assert torch.isnan(got[0]).all()
+    want = quantized_linear(x[1:], weight, fmt, None)
+    assert _relative_rms(got[1:], want) < 0.02

@@ -110,9 +110,16 @@ RoundedRows<A> round_rows(const at::Tensor& x) {
       const int64_t at = r * rows.blocks + b;
       A* q = rows.q.data() + at * 32;
       float peak = 0.0f;
-      for (int e = 0; e < 32; ++e) peak = std::max(peak, std::abs(to_float(in[e])));
-      const float d = peak / kLargest;
-      const float inverse = peak > 0.0f ? kLargest / peak : 0.0f;
+      bool finite = true;
+      for (int e = 0; e < 32; ++e) {
+        const float value = to_float(in[e]);
+        peak = std::max(peak, std::abs(value));
+        finite = finite && std::isfinite(value);
+      }
+      // A block with an inf or NaN gets q = 0 and d = NaN: its outputs are NaN, as the
+      // reference's would be.
+      const float d = finite ? peak / kLargest : std::numeric_limits<float>::quiet_NaN();
+      const float inverse = finite && peak > 0.0f ? kLargest / peak : 0.0f;
       int32_t half_sums[2] = {0, 0};
       for (int e = 0; e < 32; ++e) {
         q[e] = static_cast<A>(std::nearbyint(to_float(in[e]) * inverse));
@@ -455,8 +462,8 @@ constexpr int kTileWeightRows = 4;
 // (sum of c times x's sums) as vector dot products; the main loop then decodes each part of
 // each weight row once for XR rows of x, and its WR x XR sums are independent chains.
 template <class F, int WR, int XR>
-void dot_tile(const uint8_t* wrows, int64_t row_bytes, const RoundedRows<typename F::Activation>& x,
-              int64_t first,
+void dot_tile(const uint8_t* wrows, int64_t row_bytes,
+              const RoundedRows<typename F::Activation>& x, int64_t first,
               std::vector<float>& scratch, float (&out)[kTileWeightRows][kTileRows]) {
   constexpr int width = 32 / F::kSlots;
   const int64_t blocks = row_bytes / F::kBytes, slots = blocks * F::kParts * F::kSlots;
@@ -503,9 +510,9 @@ void dot_tile(const uint8_t* wrows, int64_t row_bytes, const RoundedRows<typenam
 
 // Weight rows [row, row + WR) against every row of x, written to out (+ bias).
 template <class F, int WR, typename T>
-inline void weight_rows(const RoundedRows<typename F::Activation>& x, int64_t m, const uint8_t* w, int64_t row_bytes,
-                        int64_t n, int64_t row, const float* bias, std::vector<float>& scratch,
-                        T* out) {
+inline void weight_rows(const RoundedRows<typename F::Activation>& x, int64_t m,
+                        const uint8_t* w, int64_t row_bytes, int64_t n, int64_t row,
+                        const float* bias, std::vector<float>& scratch, T* out) {
   float sums[kTileWeightRows][kTileRows];
   const uint8_t* wrows = w + row * row_bytes;
   for (int64_t first = 0; first < m; first += kTileRows) {
@@ -530,8 +537,8 @@ inline void weight_rows(const RoundedRows<typename F::Activation>& x, int64_t m,
 }
 
 template <class F, typename T>
-void integer_linear(const RoundedRows<typename F::Activation>& x, int64_t m, const uint8_t* w, int64_t row_bytes,
-                    int64_t n, const float* bias, T* out) {
+void integer_linear(const RoundedRows<typename F::Activation>& x, int64_t m, const uint8_t* w,
+                    int64_t row_bytes, int64_t n, const float* bias, T* out) {
   // One x row: four weight rows at a time (four chains); more: two weight rows by four x rows.
   const int64_t step = m == 1 ? kTileWeightRows : 2;
   // At least 32 KiB of weights per task: smaller ones cost more to hand out than they save.
@@ -659,11 +666,12 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   }
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const uint8_t* w = qweight.data_ptr<uint8_t>();
+  using A = typename F::Activation;
   if (x.scalar_type() == at::kBFloat16) {
-    integer_linear<F>(round_rows<c10::BFloat16, typename F::Activation>(x), m, w, row_bytes, n, b,
+    integer_linear<F>(round_rows<c10::BFloat16, A>(x), m, w, row_bytes, n, b,
                       out.data_ptr<c10::BFloat16>());
   } else {
-    integer_linear<F>(round_rows<float, typename F::Activation>(x), m, w, row_bytes, n, b, out.data_ptr<float>());
+    integer_linear<F>(round_rows<float, A>(x), m, w, row_bytes, n, b, out.data_ptr<float>());
   }
   return out;
 }
