@@ -45,7 +45,7 @@ SOURCES = (
     "argmax.cpp",
     "ops.cpp",
 )
-HEADERS = ("cpu_kernels.h", "vec_math.h")
+HEADERS = ("cpu_kernels.h", "vec_math.h", "quant_simd.h", "quant_formats.h")
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 _LOCK_NAME = ".platform-core-build.lock"
