@@ -20,10 +20,10 @@ import pytest
 from gguf_utils import write_tiny_gguf
 from platform_core_cpu import quantized_linear as cpu_quantized_linear
 from platform_core_cpu.isa import ISA_ENV, host_isa
+from quantized_models import assert_same, generate
 from test_cpu_quantized_linear import integer_rows_max, rounded_like_the_kernel
-from test_quantized_gguf import PROMPTS, _summary
+from test_quantized_gguf import _summary
 
-from platform_core import LLM, SamplingParams
 from platform_core.backend_api import quantized_linear
 from platform_core.models.gguf_loader import materialize_gguf
 
@@ -64,36 +64,23 @@ def _reference_on_rounded_activations(_ops):
     return op
 
 
-def _generate(model_dir, **engine):
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-    # 24 tokens a step: the 36-token prompt prefills in two chunks beside the others' decodes
-    with LLM(str(model_dir), block_size=16, max_num_batched_tokens=24, **engine) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        llm.check_kv_integrity()
-        return [o.outputs[0] for o in outputs], llm.engine.runner.quantization
-
-
 @pytest.mark.parametrize("level", host_isa().supported)
 @pytest.mark.parametrize("name", FORMATS)
 def test_a_model_on_blocks_computes_what_the_reference_op_does(models, monkeypatch, level, name):
     monkeypatch.setenv(ISA_ENV, level)
-    outputs, summary = _generate(models[name], backend="cpu", dtype="float32", quantization="gguf")
-    assert summary == _summary(name)
+    common = {"backend": "cpu", "dtype": "float32", "quantization": "gguf"}
+    outputs, runner = generate(models[name], **common)
+    assert runner.quantization == _summary(name)
     with monkeypatch.context() as patch:
         patch.setattr(
             cpu_quantized_linear, "compiled_quantized_linear", _reference_on_rounded_activations
         )
-        reference, _ = _generate(models[name], backend="cpu", dtype="float32", quantization="gguf")
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
-    for got, want in zip(outputs, reference, strict=True):
-        for k, token in enumerate(got.token_ids):
-            assert got.logprobs[k][token].logprob == pytest.approx(
-                want.logprobs[k][token].logprob, abs=LOGPROB_ATOL
-            )
+        reference, _ = generate(models[name], **common)
+    assert_same(outputs, reference, atol=LOGPROB_ATOL)
 
 
 def test_the_cpu_backend_keeps_the_blocks_unless_a_dtype_is_asked_for(models):
     # Its own quantized_linear: quantization auto keeps the blocks (activations in the auto
     # dtype); a dtype asked for dequantizes them once at load.
-    assert _generate(models["Q4_1"], backend="cpu")[1] == _summary("Q4_1")
-    assert _generate(models["Q4_1"], backend="cpu", dtype="bfloat16")[1] is None
+    assert generate(models["Q4_1"], backend="cpu")[1].quantization == _summary("Q4_1")
+    assert generate(models["Q4_1"], backend="cpu", dtype="bfloat16")[1].quantization is None

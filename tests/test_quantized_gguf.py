@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_utils import random_blocks, write_tiny_gguf
+from quantized_models import PARAMS, PROMPTS, assert_same, generate
 from safetensors.torch import load_file
 
 from platform_core import LLM, SamplingParams
@@ -31,8 +32,6 @@ from platform_core.quantization.formats import (
 )
 
 GGML = gguf.GGMLQuantizationType
-PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-PROMPTS = [[3, 17, 5], [9] * 21, list(range(4, 40))]
 
 
 @pytest.mark.parametrize("name", sorted(QUANT_FORMATS))
@@ -108,55 +107,38 @@ def test_materialized_blocks_are_the_dequantized_weights_as_stored(cache):
         torch.testing.assert_close(dequantize(blocks[name], QUANT_FORMATS[fmt]), dense[name])
 
 
-def _generate(model_dir, **kwargs):
-    """The outputs, and the runner (its model stays usable after the engine shut down)."""
-    with LLM(str(model_dir), block_size=16, max_num_batched_tokens=24, **kwargs) as llm:
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        outputs = llm.generate(prompts, PARAMS, use_tqdm=False)
-        llm.check_kv_integrity()
-        return [o.outputs[0] for o in outputs], llm.engine.runner
-
-
 def _summary(qtype: str) -> str:
     """The start-up summary of a tiny GGUF with every linear in ``qtype``: 4 linears per layer,
     2 layers, and the tied embedding in Q8_0."""
     return "quantized Q8_0 x 9" if qtype == "Q8_0" else f"quantized {qtype} x 8, Q8_0 x 1"
 
 
-def _assert_same(a, b):
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    for x, y in zip(a, b, strict=True):
-        got = [next(iter(lp.values())).logprob for lp in x.logprobs]
-        want = [next(iter(lp.values())).logprob for lp in y.logprobs]
-        np.testing.assert_allclose(got, want, atol=1e-4)
-
-
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_a_model_on_blocks_through_the_reference_op_gives_the_dequantized_tokens(cache, qtype):
     model_dir = _materialize(cache / f"{qtype}.gguf", qtype=GGML[qtype], ffn=128)
     common = {"backend": "template", "dtype": "float32"}
-    quantized, runner = _generate(model_dir, quantization="gguf", **common)
+    quantized, runner = generate(model_dir, quantization="gguf", **common)
     assert runner.quantization == _summary(qtype)
-    dense, dense_runner = _generate(model_dir, quantization="none", **common)
+    dense, dense_runner = generate(model_dir, quantization="none", **common)
     assert dense_runner.quantization is None
     assert runner.weights_bytes < dense_runner.weights_bytes
     assert runner.parameter_count == dense_runner.parameter_count
-    _assert_same(quantized, dense)
+    assert_same(quantized, dense)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_k_quants_load_and_match_the_dequantized_model(cache, qtype):
     model_dir = _materialize(cache / f"{qtype}.gguf", qtype=GGML[qtype], hidden=256, ffn=512)
     common = {"backend": "template", "dtype": "float32"}
-    quantized, runner = _generate(model_dir, quantization="gguf", **common)
+    quantized, runner = generate(model_dir, quantization="gguf", **common)
     assert runner.quantization == _summary(qtype)
-    _assert_same(quantized, _generate(model_dir, quantization="none", **common)[0])
+    assert_same(quantized, generate(model_dir, quantization="none", **common)[0])
 
 
 def test_fused_parts_in_different_formats_run_dequantized_and_say_so(cache, caplog):
     model_dir = _materialize(cache / "mixed.gguf", types={"blk.0.attn_v.weight": GGML.Q8_0})
     with caplog.at_level(logging.INFO, logger="platform_core.models"):
-        _, runner = _generate(model_dir, backend="template", dtype="float32", quantization="gguf")
+        _, runner = generate(model_dir, backend="template", dtype="float32", quantization="gguf")
     # layer 0: q and k are Q4_1, v Q8_0; o_proj Q8_0, gate/up and down Q4_1; layer 1 is F16;
     # the tied embedding Q4_1
     assert runner.quantization == "quantized Q4_1 x 3, Q8_0 x 1"
@@ -172,9 +154,9 @@ def test_quantization_is_chosen_from_the_checkpoint_the_dtype_and_the_backend(
     model_dir = _materialize(cache / "q.gguf", qtype=GGML.Q8_0)
     with caplog.at_level(logging.INFO, logger="platform_core.engine"):
         # the template backend has no quantized_linear of its own: auto dequantizes once
-        assert _generate(model_dir, backend="template")[1].quantization is None
+        assert generate(model_dir, backend="template")[1].quantization is None
     assert "backend template has no quantized_linear kernel of its own" in caplog.text
-    assert _generate(model_dir, backend="template", quantization="gguf")[1].quantization
+    assert generate(model_dir, backend="template", quantization="gguf")[1].quantization
     with pytest.raises(ConfigError, match="keeps no quantized tensors"):
         LLM(str(tiny_model_dir("llama")), quantization="gguf")
     with pytest.raises(ConfigError, match="quantization='int3' is not supported"):
@@ -185,7 +167,7 @@ def test_a_linear_in_a_format_we_cannot_compute_on_is_refused_naming_it(cache):
     model_dir = _materialize(cache / "q5.gguf", qtype=GGML.Q5_0)
     with pytest.raises(ModelLoadError, match=r"GGUF type Q5_0.*quantization='none'"):
         LLM(str(model_dir), backend="template", quantization="gguf")
-    dense, runner = _generate(model_dir, backend="template", quantization="none")
+    dense, runner = generate(model_dir, backend="template", quantization="none")
     assert runner.quantization is None and len(dense[0].token_ids) == PARAMS.max_tokens
 
 
@@ -193,11 +175,11 @@ def test_tensor_parallel_ranks_hold_their_blocks_and_give_one_rank_tokens(cache)
     """Row shards, whole-block column shards and vocabulary shards of an untied output head."""
     model_dir = _materialize(cache / "tp.gguf", qtype=GGML.Q4_1, ffn=128, tied=False)
     common = {"backend": "template", "dtype": "float32", "quantization": "gguf"}
-    one, _ = _generate(model_dir, **common)
-    two, runner = _generate(model_dir, tensor_parallel_size=2, **common)
+    one, _ = generate(model_dir, **common)
+    two, runner = generate(model_dir, tensor_parallel_size=2, **common)
     assert runner.quantization == "quantized Q4_1 x 9, Q8_0 x 1"  # the head is Q4_1 too
-    _assert_same(two, one)
-    _assert_same(one, _generate(model_dir, backend="template", dtype="float32")[0])
+    assert_same(two, one)
+    assert_same(one, generate(model_dir, backend="template", dtype="float32")[0])
 
 
 @pytest.mark.parametrize("fmt", [Q8_0, Q4_1], ids=lambda f: f.name)
@@ -248,7 +230,7 @@ def test_load_time_quantization_under_tensor_parallelism_quantizes_each_ranks_pa
     """Column shards are quantized from their own columns: the same blocks as one rank's."""
     model_dir = tiny_model_dir("llama")
     common = {"backend": "template", "dtype": "float32", "quantization": "int4"}
-    one, _ = _generate(model_dir, **common)
-    two, runner = _generate(model_dir, tensor_parallel_size=2, **common)
+    one, _ = generate(model_dir, **common)
+    two, runner = generate(model_dir, tensor_parallel_size=2, **common)
     assert runner.quantization == "quantized Q4_1 x 8, Q8_0 x 2"
-    _assert_same(two, one)
+    assert_same(two, one)
