@@ -1,8 +1,10 @@
-"""The CPU backend's ``quantized_linear`` per call, beside ``F.linear`` on bf16 weights.
+"""The CPU backend's ``quantized_linear`` per call, beside its linear on bf16 weights.
 
 One weight of a format at one shape (default: SmolLM2's gate/up projection, 3072 x 576, in
 Q4_1), random blocks, bf16 activations of each row count; the best of ``--repeats`` rounds of
-``--calls`` calls, in microseconds, on the kernel build of this CPU's level (or ``--level``):
+``--calls`` calls, in microseconds, on the kernel build of this CPU's level (or ``--level``).
+The bf16 side is what a bf16 model runs on this backend (``CpuLinear``: oneDNN on packed
+weights where this CPU's oneDNN has bf16, else the compiled kernel):
 
     python benchmarks/quantized_linear.py [--rows 1,8,16,64,512] [--format Q4_1] [--threads 2]
 """
@@ -14,9 +16,9 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from platform_core_cpu.isa import host_isa
 from platform_core_cpu.kernels import load_kernels
+from platform_core_cpu.linear import CpuLinear, packed_linear_available
 
 from platform_core.backend_api import QUANT_FORMATS, random_blocks
 
@@ -54,9 +56,12 @@ def main() -> None:
     n, k = args.out_features, args.in_features
     blocks = random_blocks(n, k, fmt, 0.05, gen)
     dense = torch.randn(n, k, generator=gen).bfloat16()
+    linear = CpuLinear(
+        build.ops.linear_bf16, onednn=host_isa().onednn_bf16 and packed_linear_available()
+    )
     print(f"{host_isa().describe()}; build {level}; {args.threads} threads")
-    print(f"{args.format} [{n} x {k}], bf16 activations\n")
-    print("| rows | quantized_linear us | F.linear bf16 us | ratio |")
+    print(f"{args.format} [{n} x {k}], bf16 activations; bf16 linear: {linear.path}\n")
+    print("| rows | quantized_linear us | bf16 linear us | ratio |")
     print("|---:|---:|---:|---:|")
     for rows in map(int, args.rows.split(",")):
         x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -65,7 +70,7 @@ def main() -> None:
             args.calls,
             args.repeats,
         )
-        theirs = best_us(lambda x=x: F.linear(x, dense), args.calls, args.repeats)
+        theirs = best_us(lambda x=x: linear(x, dense), args.calls, args.repeats)
         print(f"| {rows} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} |")
 
 

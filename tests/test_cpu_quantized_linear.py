@@ -7,7 +7,8 @@ dot products:
 its output must equal the reference applied to activations rounded the same way (to float
 rounding of the sums), and stay within 1% relative RMS of the exact reference (the conformance
 floor; checked where there are enough outputs for a stable RMS). More rows dequantize the
-weights into a float32 matmul: close to the reference itself.
+weights: on AVX512-BF16 builds with bf16 activations a panel of rows at a time into bf16 dot
+products, else into torch's float32 matmul; close to the reference itself.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ LEVELS = host_isa().supported
 
 
 def integer_rows_max(level: str, dtype: torch.dtype) -> int:
-    """The most rows the kernel takes integer dot products for (beyond: a dequantized matmul,
-    in bf16 for bf16 activations on AVX512-BF16 builds)."""
-    return 8 if level == "avx512_bf16" and dtype == torch.bfloat16 else 16
+    """The most rows the kernel takes integer dot products for (beyond: dequantized weights,
+    in bf16 panels for bf16 activations on AVX512-BF16 builds)."""
+    return 5 if level == "avx512_bf16" and dtype == torch.bfloat16 else 16
 
 
 def _ops(level: str):
@@ -67,8 +68,9 @@ def _case(fmt: QuantFormat, rows: int, n: int, blocks: int, dtype: torch.dtype, 
     ("rows", "n", "blocks"),
     # One row (four weight rows per tile, and the remainder); 2-5 rows (tiles of two weight rows
     # by up to four x rows, and their remainders); 8 and 16 (the last integer sizes) and 9, 17
-    # and 77 (the dequantized matmul); weight rows off every tile and vector width; 9 32-weight
-    # blocks (one more than an 8-block scale conversion) and 3.
+    # and 77 (the dequantized matmul: 16-row vectors of x, up to three per tile); weight rows
+    # off every tile and vector width, and 150 (bf16 panels of several 8-row tiles, the last
+    # one short); 9 32-weight blocks (one more than an 8-block scale conversion) and 3.
     [
         (1, 37, 9),
         (1, 8, 3),
@@ -80,6 +82,7 @@ def _case(fmt: QuantFormat, rows: int, n: int, blocks: int, dtype: torch.dtype, 
         (16, 19, 3),
         (17, 40, 3),
         (77, 9, 9),
+        (50, 150, 3),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,6 +143,24 @@ def test_bad_input_is_refused_with_a_clear_error():
         ops.quantized_linear(torch.randn(1, 96), weight, "Q8_0", None)
     with pytest.raises(RuntimeError, match="float32 or bfloat16 x"):
         ops.quantized_linear(torch.randn(1, 64, dtype=torch.float64), weight, "Q8_0", None)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_rows_of_x_with_a_stride_past_their_length(level):
+    """x's rows may sit further apart than their length (a slice of wider rows): every path
+    reads each row from its own start."""
+    fmt = QUANT_FORMATS["Q4_1"]
+    gen = torch.Generator().manual_seed(3)
+    weight = random_blocks(24, 64, fmt, 0.05, gen)
+    for rows in (3, 40):
+        wide = torch.randn(rows, 96, generator=gen).bfloat16()
+        x = wide[:, :64]
+        assert x.stride(0) == 96
+        got = _ops(level).quantized_linear(x, weight, "Q4_1", None)
+        torch.testing.assert_close(
+            got, _ops(level).quantized_linear(x.contiguous(), weight, "Q4_1", None)
+        )
+        assert _relative_rms(got, quantized_linear(x.float(), weight, fmt, None)) < 0.01
 
 
 def test_the_override_routes_what_the_kernel_cannot_take_to_the_reference():

@@ -45,7 +45,13 @@ SOURCES = (
     "argmax.cpp",
     "ops.cpp",
 )
-HEADERS = ("cpu_kernels.h", "vec_math.h", "quant_simd.h", "quant_formats.h")
+HEADERS = (
+    "cpu_kernels.h",
+    "vec_math.h",
+    "quant_simd.h",
+    "quant_formats.h",
+    "bf16_panel_gemm.h",
+)
 CFLAGS = ("-O3", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 _LOCK_NAME = ".platform-core-build.lock"

@@ -2,7 +2,7 @@
 // y = x W^T (+ b) with x [M, K] (float32 or bf16) and W [N, row_bytes] uint8, each row its
 // blocks back to back (platform_core/quantization/formats.py has the layouts).
 //
-// - Up to 16 rows (8 where the alternative is a bf16 matmul; decode): x is rounded to
+// - Up to 16 rows (5 where the alternative is bf16 panels; decode): x is rounded to
 //   integers per 32 values (a float scale and the scaled sum of each half): to 8 bits for 4-
 //   and 6-bit weights, whose own rounding is far coarser, and to 16 bits for Q8_0, whose 8-bit
 //   activations would double its error (and flip near-ties of the logits: Q8_0 is the usual
@@ -13,10 +13,13 @@
 //   The weights stream from memory once per call, at a quarter to an eighth of bf16's bytes.
 //   Threads take bands of weight rows; each row's blocks are decoded once for up to four rows
 //   of x, and one row of x meets four weight rows at a time.
-// - More rows (prefill, large batches: bound by arithmetic): chunks of up to 4M weights are
-//   dequantized (vectorized) and go through torch's matmul, in bf16 on AVX512-BF16 builds for
-//   bf16 x, else in fp32. Larger chunks measured faster: fewer, wider matmuls.
+// - More rows (prefill, large batches: bound by arithmetic): on AVX512-BF16 builds with bf16
+//   x, each thread dequantizes a panel of weight rows at a time into bf16 dot products
+//   (bf16_panel_gemm.h), so no dequantized copy of the weight goes through memory; otherwise
+//   chunks of up to 4M weights are dequantized into torch's fp32 matmul (larger chunks
+//   measured faster: fewer, wider matmuls).
 
+#include "bf16_panel_gemm.h"
 #include "cpu_kernels.h"
 #include "quant_formats.h"
 #include "vec_math.h"
@@ -31,9 +34,9 @@
 namespace platform_core_cpu {
 namespace {
 
-// Rows up to which the integer dot products beat dequantizing into a matmul (Q4_1 at SmolLM2's
-// shapes, benchmarks/RESULTS.md): 8 where that matmul runs in bf16 on AVX512-BF16, else 16.
-constexpr int64_t kIntegerRowsMaxBf16 = 8, kIntegerRowsMax = 16;
+// Rows up to which the integer dot products beat dequantizing into a matmul (SmolLM2's Q4_1
+// and Q8_0 shapes, benchmarks/RESULTS.md): 5 where bf16 panels take more (AVX512-BF16), else 16.
+constexpr int64_t kIntegerRowsMaxBf16 = 5, kIntegerRowsMax = 16;
 constexpr int64_t kChunkElements = 1 << 22;  // weights dequantized per matmul (16 MiB fp32)
 constexpr int64_t kTileRows = 4;             // rows of x that share one decode of a weight row
 
@@ -219,6 +222,21 @@ void integer_linear(const RoundedRows<typename F::Activation>& x, int64_t m, con
 // c[Slots - 1] for 16-31) as W (fp32, or bf16 rounded to nearest even) at `out`.
 template <bool Signed, int Slots, typename W>
 inline void write_part(Quants quants, const float* a, const float* c, W* out) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {  // sixteen weights per instruction
+    for (int half = 0; half < 2; ++half) {
+      const __m128i bytes =
+          half ? _mm256_extracti128_si256(quants, 1) : _mm256_castsi256_si128(quants);
+      const __m512i ints = Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+      const int t = half ? Slots - 1 : 0;
+      const __m512 values = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(a[t]),
+                                            _mm512_set1_ps(c[t]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * half),
+                          (__m256i)_mm512_cvtneps_pbh(values));
+    }
+    return;
+  }
+#endif
 #if defined(__AVX2__)
   for (int quarter = 0; quarter < 4; ++quarter) {
     const __m128i bytes = quarter < 2 ? _mm256_castsi256_si128(quants)
@@ -254,22 +272,26 @@ inline void write_part(Quants quants, const float* a, const float* c, W* out) {
 #endif
 }
 
+// One weight row of `blocks` blocks dequantized to W (fp32 or bf16) at `out`.
+template <class F, typename W>
+inline void dequantize_row(const uint8_t* row, int64_t blocks, W* out) {
+  float a[F::kParts * F::kSlots], c[F::kParts * F::kSlots];
+  for (int64_t s = 0; s < blocks; ++s) {
+    const uint8_t* block = row + s * F::kBytes;
+    F::scales(block, a, c);
+    for (int j = 0; j < F::kParts; ++j) {
+      write_part<F::kSigned, F::kSlots>(F::quants(block, j), a + j * F::kSlots,
+                                        c + j * F::kSlots, out + (s * F::kParts + j) * 32);
+    }
+  }
+}
+
 // Weight rows [0, rows) of `w` dequantized to rows of `k` values W (fp32 or bf16) at `out`.
 template <class F, typename W>
 void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, W* out) {
-  const int64_t blocks = row_bytes / F::kBytes;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float a[F::kParts * F::kSlots], c[F::kParts * F::kSlots];
     for (int64_t row = begin; row < end; ++row) {
-      for (int64_t s = 0; s < blocks; ++s) {
-        const uint8_t* block = w + row * row_bytes + s * F::kBytes;
-        F::scales(block, a, c);
-        for (int j = 0; j < F::kParts; ++j) {
-          write_part<F::kSigned, F::kSlots>(F::quants(block, j), a + j * F::kSlots,
-                                            c + j * F::kSlots,
-                                            out + row * k + (s * F::kParts + j) * 32);
-        }
-      }
+      dequantize_row<F>(w + row * row_bytes, row_bytes / F::kBytes, out + row * k);
     }
   });
 }
@@ -307,6 +329,26 @@ void dequantized_matmul(const at::Tensor& x, const at::Tensor& qweight, int64_t 
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 x times weight rows dequantized a panel at a time (bf16_panel_gemm.h).
+template <class F>
+void panel_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& bias,
+                  at::Tensor& out) {
+  const int64_t row_bytes = qweight.size(1), k = x.size(1);
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  const auto fill = [&](int64_t row, int64_t rows, uint16_t* panel) {
+    for (int64_t r = 0; r < rows; ++r) {
+      dequantize_row<F>(w + (row + r) * row_bytes, row_bytes / F::kBytes,
+                        reinterpret_cast<c10::BFloat16*>(panel + r * k));
+    }
+  };
+  bf16_gemm::panel_matmul(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()),
+                          x.size(0), x.stride(0), k, qweight.size(0),
+                          bias.defined() ? bias.data_ptr<float>() : nullptr, fill,
+                          reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
+}
+#endif
+
 template <class F>
 at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& bias) {
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0), row_bytes = qweight.size(1);
@@ -318,6 +360,12 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
   if (m == 0 || n == 0) return out;
   const at::ScalarType compute = matmul_dtype(x);
   if (m > (compute == at::kBFloat16 ? kIntegerRowsMaxBf16 : kIntegerRowsMax)) {
+#if defined(__AVX512BF16__)
+    if (compute == at::kBFloat16) {
+      panel_matmul<F>(x, qweight, bias, out);
+      return out;
+    }
+#endif
     dequantized_matmul<F>(x, qweight, k, bias, compute, out);
     return out;
   }
