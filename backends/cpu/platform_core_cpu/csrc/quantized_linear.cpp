@@ -28,7 +28,6 @@
 
 #include <limits>
 #include <string_view>
-#include <type_traits>
 #include <vector>
 
 namespace platform_core_cpu {
@@ -219,24 +218,9 @@ void integer_linear(const RoundedRows<typename F::Activation>& x, int64_t m, con
 }
 
 // The 32 weights a * q + c of one part (a, c: a[0], c[0] for elements 0-15 and a[Slots - 1],
-// c[Slots - 1] for 16-31) as W (fp32, or bf16 rounded to nearest even) at `out`.
-template <bool Signed, int Slots, typename W>
-inline void write_part(Quants quants, const float* a, const float* c, W* out) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<W, c10::BFloat16>) {  // sixteen weights per instruction
-    for (int half = 0; half < 2; ++half) {
-      const __m128i bytes =
-          half ? _mm256_extracti128_si256(quants, 1) : _mm256_castsi256_si128(quants);
-      const __m512i ints = Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-      const int t = half ? Slots - 1 : 0;
-      const __m512 values = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(a[t]),
-                                            _mm512_set1_ps(c[t]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * half),
-                          (__m256i)_mm512_cvtneps_pbh(values));
-    }
-    return;
-  }
-#endif
+// c[Slots - 1] for 16-31) as fp32 at `out` (for torch's fp32 matmul).
+template <bool Signed, int Slots>
+inline void write_part(Quants quants, const float* a, const float* c, float* out) {
 #if defined(__AVX2__)
   for (int quarter = 0; quarter < 4; ++quarter) {
     const __m128i bytes = quarter < 2 ? _mm256_castsi256_si128(quants)
@@ -244,20 +228,9 @@ inline void write_part(Quants quants, const float* a, const float* c, W* out) {
     const __m128i eight = quarter % 2 ? _mm_srli_si128(bytes, 8) : bytes;
     const __m256i ints = Signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
     const int t = quarter < 2 ? 0 : Slots - 1;
-    const __m256 values = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(a[t]),
-                                          _mm256_set1_ps(c[t]));
-    if constexpr (std::is_same_v<W, float>) {
-      _mm256_storeu_ps(out + 8 * quarter, values);
-    } else {
-#if defined(__AVX512BF16__)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * quarter),
-                       (__m128i)_mm256_cvtneps_pbh(values));
-#else
-      float spilled[8];
-      _mm256_storeu_ps(spilled, values);
-      for (int e = 0; e < 8; ++e) out[8 * quarter + e] = from_float<W>(spilled[e]);
-#endif
-    }
+    _mm256_storeu_ps(out + 8 * quarter,
+                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(a[t]),
+                                     _mm256_set1_ps(c[t])));
   }
 #else
   uint8_t q[32];
@@ -266,13 +239,30 @@ inline void write_part(Quants quants, const float* a, const float* c, W* out) {
     const float scale = a[half * (Slots - 1)], offset = c[half * (Slots - 1)];
     for (int e = 16 * half; e < 16 * half + 16; ++e) {
       const float value = Signed ? static_cast<float>(static_cast<int8_t>(q[e])) : q[e];
-      out[e] = from_float<W>(scale * value + offset);
+      out[e] = scale * value + offset;
     }
   }
 #endif
 }
 
-// One weight row of `blocks` blocks dequantized to W (fp32 or bf16) at `out`.
+#if defined(__AVX512BF16__)
+// The same as bf16, rounded to nearest even (for the bf16 panels), sixteen weights at a time.
+template <bool Signed, int Slots>
+inline void write_part(Quants quants, const float* a, const float* c, c10::BFloat16* out) {
+  for (int half = 0; half < 2; ++half) {
+    const __m128i bytes =
+        half ? _mm256_extracti128_si256(quants, 1) : _mm256_castsi256_si128(quants);
+    const __m512i ints = Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    const int t = half ? Slots - 1 : 0;
+    const __m512 values = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), _mm512_set1_ps(a[t]),
+                                          _mm512_set1_ps(c[t]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * half),
+                        (__m256i)_mm512_cvtneps_pbh(values));
+  }
+}
+#endif
+
+// One weight row of `blocks` blocks dequantized to W (fp32, or bf16 on AVX512-BF16) at `out`.
 template <class F, typename W>
 inline void dequantize_row(const uint8_t* row, int64_t blocks, W* out) {
   float a[F::kParts * F::kSlots], c[F::kParts * F::kSlots];
@@ -286,9 +276,9 @@ inline void dequantize_row(const uint8_t* row, int64_t blocks, W* out) {
   }
 }
 
-// Weight rows [0, rows) of `w` dequantized to rows of `k` values W (fp32 or bf16) at `out`.
-template <class F, typename W>
-void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, W* out) {
+// Weight rows [0, rows) of `w` dequantized to rows of `k` fp32 values at `out`.
+template <class F>
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, float* out) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       dequantize_row<F>(w + row * row_bytes, row_bytes / F::kBytes, out + row * k);
@@ -296,34 +286,19 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t 
   });
 }
 
-// The dtype the dequantized matmul runs in: bf16 where x is bf16 and the build has AVX512-BF16
-// (oneDNN's bf16 GEMM runs on it at about twice fp32's rate), else fp32.
-at::ScalarType matmul_dtype(const at::Tensor& x) {
-#if defined(__AVX512BF16__)
-  return x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
-#else
-  return at::kFloat;
-#endif
-}
-
-// x times chunks of weight rows dequantized into torch's matmul, in `compute`.
+// x times chunks of weight rows dequantized into torch's fp32 matmul.
 template <class F>
 void dequantized_matmul(const at::Tensor& x, const at::Tensor& qweight, int64_t k,
-                        const at::Tensor& bias, at::ScalarType compute, at::Tensor& out) {
-  const at::Tensor xc = x.to(compute);
+                        const at::Tensor& bias, at::Tensor& out) {
+  const at::Tensor xf = x.to(at::kFloat);
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1);
   const int64_t chunk = std::max<int64_t>(16, kChunkElements / std::max<int64_t>(1, k));
-  at::Tensor weights = new_tensor({std::min(chunk, n), k}, compute);
+  at::Tensor weights = new_tensor({std::min(chunk, n), k}, at::kFloat);
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   for (int64_t start = 0; start < n; start += chunk) {
     const int64_t len = std::min(chunk, n - start);
-    if (compute == at::kBFloat16) {
-      dequantize_rows<F>(w + start * row_bytes, row_bytes, len, k,
-                         weights.data_ptr<c10::BFloat16>());
-    } else {
-      dequantize_rows<F>(w + start * row_bytes, row_bytes, len, k, weights.data_ptr<float>());
-    }
-    at::Tensor part = xc.mm(weights.narrow(0, 0, len).t());
+    dequantize_rows<F>(w + start * row_bytes, row_bytes, len, k, weights.data_ptr<float>());
+    at::Tensor part = xf.mm(weights.narrow(0, 0, len).t());
     if (bias.defined()) part.add_(bias.narrow(0, start, len));
     out.narrow(1, start, len).copy_(part);
   }
@@ -358,15 +333,19 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor&
               " weights in whole blocks");
   at::Tensor out = new_tensor({m, n}, x.scalar_type());
   if (m == 0 || n == 0) return out;
-  const at::ScalarType compute = matmul_dtype(x);
-  if (m > (compute == at::kBFloat16 ? kIntegerRowsMaxBf16 : kIntegerRowsMax)) {
 #if defined(__AVX512BF16__)
-    if (compute == at::kBFloat16) {
+  const bool panels = x.scalar_type() == at::kBFloat16;
+#else
+  constexpr bool panels = false;
+#endif
+  if (m > (panels ? kIntegerRowsMaxBf16 : kIntegerRowsMax)) {
+#if defined(__AVX512BF16__)
+    if (panels) {
       panel_matmul<F>(x, qweight, bias, out);
       return out;
     }
 #endif
-    dequantized_matmul<F>(x, qweight, k, bias, compute, out);
+    dequantized_matmul<F>(x, qweight, k, bias, out);
     return out;
   }
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
