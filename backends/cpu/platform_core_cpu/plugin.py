@@ -178,8 +178,9 @@ def describe_paths(isa: CpuIsa) -> tuple[str, ...]:
         bf16_math,
         linears,
         f"quantized linears: integer dot products ({integer_dots}) on the blocks as stored up to "
-        "16 rows (8 beside a bf16 matmul), activations rounded per 32 to 8 bits (16 for Q8_0); "
-        "more rows: dequantized into bf16 (AVX512-BF16) or fp32 matmuls",
+        "16 rows (5 beside bf16 panels), activations rounded per 32 to 8 bits (16 for Q8_0); "
+        "more rows: panels of weight rows dequantized into bf16 dot products (AVX512-BF16, "
+        "bf16 activations), else chunks into fp32 matmuls",
         "float32 linears: oneDNN on packed weights"
         if packed_linear_available()
         else "float32 linears: torch's F.linear (no oneDNN in this torch build)",

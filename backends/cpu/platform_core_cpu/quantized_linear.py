@@ -2,9 +2,10 @@
 
 Decode-sized steps round the activations to 8 bits per 32 values (16 for Q8_0) and take integer
 dot products with the weights' blocks (VNNI on the ``avx512_bf16`` build, AVX2's multiply-adds
-below it), so a step reads the blocks' bytes, not a dequantized copy; larger steps dequantize
-chunks of weight rows into torch's matmul, in bf16 on AVX512-BF16 builds for bf16 activations
-(``csrc/quantized_linear.cpp`` says where the line is and why).
+below it), so a step reads the blocks' bytes, not a dequantized copy. Larger steps dequantize:
+on AVX512-BF16 builds with bf16 activations a panel of weight rows at a time into bf16 dot
+products, elsewhere chunks of rows into torch's fp32 matmul (``csrc/quantized_linear.cpp``
+says where the line is and why).
 Inputs the kernel does not take (other dtypes, formats without a kernel: FP8_E4M3, whose layers
 the loader then logs as running the reference op) go to the core's reference op, which
 dequantizes on every call.
