@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from platform_core.engine.beam_search import BeamSearchParams
     from platform_core.entrypoints.llm import LLM
     from platform_core.sampling_params import SamplingParams
+    from platform_core.structured_outputs_params import StructuredOutputsParams
 
-__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "__version__"]
+__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -32,4 +33,8 @@ def __getattr__(name: str):
         from platform_core.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from platform_core.structured_outputs_params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'platform_core' has no attribute {name!r}")

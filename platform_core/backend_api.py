@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from platform_core.layers.norm import RmsNormFn, rms_norm
     from platform_core.layers.ops import OVERRIDABLE_OPS, LayerOps, resolve_ops
     from platform_core.layers.rotary import RotaryFn, apply_rotary
+    from platform_core.layers.token_bitmask import TokenBitmaskFn, apply_token_bitmask
     from platform_core.plugins.accelerator import (
         AcceleratorBackend,
         CachingAllocatorProfiler,
@@ -134,6 +135,8 @@ __all__ = [  # noqa: RUF022 - grouped by topic, not sorted
     "LinearFn",
     "row_argmax",
     "ArgmaxFn",
+    "apply_token_bitmask",
+    "TokenBitmaskFn",
     "quantized_linear",
     "QuantizedLinearFn",
     "QuantFormat",
@@ -188,6 +191,8 @@ _LAZY = {
     "LinearFn": "platform_core.layers.linear",
     "row_argmax": "platform_core.layers.argmax",
     "ArgmaxFn": "platform_core.layers.argmax",
+    "apply_token_bitmask": "platform_core.layers.token_bitmask",
+    "TokenBitmaskFn": "platform_core.layers.token_bitmask",
     "quantized_linear": "platform_core.quantization.formats",
     "QuantizedLinearFn": "platform_core.quantization.formats",
     "QuantFormat": "platform_core.quantization.formats",

@@ -215,6 +215,37 @@ class SpeculativeConfig:
         return self.speculative_method is not None
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsConfig:
+    """Constrained decoding, tool calls and reasoning output.
+
+    ``structured_outputs_backend`` picks the grammar engine: ``xgrammar``, ``guidance``
+    (llguidance), or ``auto``: xgrammar, falling back to llguidance for a constraint xgrammar
+    cannot compile. ``reasoning_parser`` names how the model marks its reasoning
+    (``deepseek_r1``, ``qwen3``, or a plugin's): the server returns it as ``reasoning_content``
+    and a constraint applies only once the reasoning ended. ``tool_call_parser`` names the tool
+    call format the server parses (``hermes``, ``llama3_json``, ``pythonic``, or a plugin's);
+    ``enable_auto_tool_choice`` lets the model decide to call tools (``tool_choice: auto``).
+    """
+
+    structured_outputs_backend: str = "auto"
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+
+    def __post_init__(self) -> None:
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ConfigError(
+                f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+                f"got {self.structured_outputs_backend!r}"
+            )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("enable_auto_tool_choice needs tool_call_parser (the call format)")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All sections together, plus the backend choice."""
@@ -224,6 +255,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     backend: str = "auto"
 
     @classmethod
@@ -259,6 +291,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "speculative": SpeculativeConfig,
+    "structured_outputs": StructuredOutputsConfig,
 }
 _KEY_TO_SECTION = {f.name: name for name, cls in _SECTIONS.items() for f in fields(cls)}
 

@@ -8,6 +8,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from platform_core.errors import InvalidRequestError
+from platform_core.structured_outputs_params import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 _INT64 = 2**63
@@ -40,6 +41,9 @@ class SamplingParams:
     Generation stops at ``max_tokens``, at EOS (unless ``ignore_eos``), at any ``stop_token_ids``,
     or when the text ends in one of ``stop`` (cut off unless ``include_stop_str_in_output``).
     ``seed`` makes a request's samples reproducible whatever else is in the batch.
+    ``structured_outputs`` constrains the output to a JSON schema, regex, choice or grammar
+    (a ``StructuredOutputsParams``, or the mapping of its fields); the constraint's mask is
+    applied before everything else.
 
     Token id lists are normalized once here, so per-step work never depends on how long (or
     repetitive) the caller's lists were: ``stop_token_ids`` and ``allowed_token_ids`` lose their
@@ -70,6 +74,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_token_set: frozenset[int] = field(init=False, repr=False, compare=False)
     stop_token_array: array = field(init=False, repr=False, compare=False)
     allowed_token_array: array | None = field(init=False, repr=False, compare=False)
@@ -86,6 +91,8 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         self.stop_token_set = frozenset(self.stop_token_ids)

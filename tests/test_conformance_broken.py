@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conformance_backends import (
     CAPABILITIES,
     DEFAULT_OPS,
@@ -26,11 +27,22 @@ from conformance_backends import (
 )
 from platform_core_conformance import run_conformance
 
+from platform_core.backend_api import apply_token_bitmask
+
 # What in-process backends can run (the engine loads installed backends only).
 UNIT_CHECKS = "test_kernels or test_ops or test_registration"
 OPS = "test_ops or test_registration"
 OP_CHECK, QUANTIZED = "test_op_override_matches_the_core_default", "quantized_linear"
 WITH_FP16 = dataclasses.replace(CAPABILITIES, dtypes=("float32", "float16"))
+BITMASK = "apply_token_bitmask"
+
+
+def token_bitmask_without_tail(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Masks whole words only: the last ``vocab % 32`` tokens stay allowed (a kernel missing
+    its tail loop)."""
+    apply_token_bitmask(logits[:, : logits.shape[1] // 32 * 32], bitmask, rows)
 
 
 def _checks(plugin: FixturePlugin, keyword: str, tmp_path: Path) -> tuple[int, dict[str, Any]]:
@@ -125,6 +137,15 @@ CATALOGUE: dict[str, tuple[FixturePlugin, str, dict[str, str], list[str]]] = {
         OPS,
         {f"{OP_CHECK}[float32-{QUANTIZED}-one-row-Q4_1-1x96->37-bias]": "override 'quantized_"},
         [f"{OP_CHECK}[float32-{QUANTIZED}-rows-Q8_0-9x64->37-nobias]"],
+    ),
+    "bitmask-no-tail": (
+        FixturePlugin("bitmask-no-tail", overrides={BITMASK: token_bitmask_without_tail}),
+        OPS,
+        {
+            f"{OP_CHECK}[float32-{BITMASK}-odd-3of5x33-w2]": "override 'apply_token_bitmask'",
+            f"{OP_CHECK}[bfloat16-{BITMASK}-short-2of4x31-w1]": "elements at [[",
+        },
+        [f"{OP_CHECK}[float32-{BITMASK}-none-0of3x67-w3]"],
     ),
     "misspelt-override": (
         FixturePlugin("misspelt-override", overrides={"rmsnorm": DEFAULT_OPS["rms_norm"]}),

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("triton", reason="the GPU backends' kernels are Triton kernels")
 
 KERNELS = "test_write_kv or test_padding or test_paged_attention or test_gqa_ratios"
-CHECKS = f"({KERNELS} or quantized_linear) and not long"
+CHECKS = f"({KERNELS} or quantized_linear or apply_token_bitmask) and not long"
 
 
 @pytest.mark.parametrize(

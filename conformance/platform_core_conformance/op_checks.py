@@ -6,8 +6,10 @@ truth), and in the dtype (the baseline: an override may be as far from the truth
 op itself is in that dtype, twice over, on top of the dtype's tolerance). Cases
 cover the shapes that matter (odd sizes, one row and many, bias present and absent, strided
 views as the model passes them) and magnitudes from tiny (where a norm's epsilon dominates) to
-large (where float16 squares overflow). An op added to the contract later (structured-output
-bitmask, LoRA, quantized linear, KV export/import) joins by adding its row to ``OP_TABLE``.
+large (where float16 squares overflow). An op the sampler calls on logits it has widened
+(``apply_token_bitmask``) gets float32 inputs whatever the dtype under test; an op that returns
+nothing works in place, and its first argument is its output. An op added to the contract later
+(LoRA, KV export/import) joins by adding its row to ``OP_TABLE``.
 """
 
 from __future__ import annotations
@@ -55,12 +57,14 @@ class OpRun:
 
 @dataclass(frozen=True, slots=True)
 class OpSpec:
-    """An overridable op: its cases, whether its output is compared exactly (indices), and the
-    least tolerance it gets in any dtype (``floor``: an op allowed to round its inputs)."""
+    """An overridable op: its cases, whether its output is compared exactly (indices, masked
+    logits), the least tolerance it gets in any dtype (``floor``: an op allowed to round its
+    inputs), and whether it always gets float32 inputs (``widened``: the sampler's ops)."""
 
     cases: tuple[OpCase, ...]
     exact: bool = False
     floor: Tolerance | None = None
+    widened: bool = False
 
 
 def _randn(gen: torch.Generator, *dims: int, scale: float = 1.0) -> torch.Tensor:
@@ -131,6 +135,22 @@ def _argmax_case(name: str, rows: int, vocab: int) -> OpCase:
     return OpCase(f"{name}-{rows}x{vocab}", build)
 
 
+def _bitmask_case(
+    name: str, rows: int, vocab: int, words: int, masked: tuple[int, ...], solid: bool = False
+) -> OpCase:
+    """Random logits and random words (every bit pattern, the bits past ``vocab`` included) for
+    the rows ``masked``; ``solid``: the first masked row bans every token, the second none."""
+
+    def build(gen: torch.Generator) -> Inputs:
+        shape = (len(masked), words)
+        bitmask = torch.randint(-(2**31), 2**31, shape, generator=gen, dtype=torch.int64).int()
+        if solid:
+            bitmask[0], bitmask[1] = 0, -1
+        return (_randn(gen, rows, vocab), bitmask, torch.tensor(masked, dtype=torch.int64))
+
+    return OpCase(f"{name}-{len(masked)}of{rows}x{vocab}-w{words}", build)
+
+
 OP_TABLE: dict[str, OpSpec] = {
     "rms_norm": OpSpec(
         (
@@ -175,6 +195,19 @@ OP_TABLE: dict[str, OpSpec] = {
         ),
         floor=Tolerance(atol=2e-2, rtol=2e-2, rms=1e-2),
     ),
+    "apply_token_bitmask": OpSpec(
+        (
+            _bitmask_case("one-token", 2, 1, 1, (1,)),
+            _bitmask_case("short", 4, 31, 1, (3, 0)),
+            _bitmask_case("odd", 5, 33, 2, (4, 1, 2)),
+            _bitmask_case("wide", 6, 67, 5, (5, 2, 0)),  # three words past the vocab
+            _bitmask_case("rows", 9, 1000, 32, (8, 1, 6, 3)),
+            _bitmask_case("solid", 4, 1000, 34, (2, 0), solid=True),
+            _bitmask_case("none", 3, 67, 3, ()),
+        ),
+        exact=True,
+        widened=True,
+    ),
 }
 assert set(OP_TABLE) == set(OVERRIDABLE_OPS), "every overridable op needs a row in OP_TABLE"
 
@@ -208,13 +241,21 @@ def run_case(
     device: torch.device,
     seed: int = 0,
 ) -> OpRun:
-    """Run op ``name`` on ``case`` in ``dtype``: the override on ``device``, the default here."""
+    """Run op ``name`` on ``case`` in ``dtype`` (float32 for a widened op): the override on
+    ``device``, the default here."""
+    if OP_TABLE[name].widened:
+        dtype = torch.float32
     inputs = case.build(torch.Generator().manual_seed(seed))
     rounded = cast_inputs(cast_inputs(inputs, dtype), torch.float32)
     default = getattr(DEFAULTS, name)
+
+    def call(op: Callable[..., object], args: Inputs) -> tuple[torch.Tensor, ...]:
+        result = op(*args)
+        return outputs_of(args[0] if result is None else result)
+
     # Each side gets its own copies (an op may work in place).
     return OpRun(
-        actual=outputs_of(override(*cast_inputs(rounded, dtype, device))),
-        expected=outputs_of(default(*cast_inputs(rounded, torch.float32))),
-        baseline=outputs_of(default(*cast_inputs(rounded, dtype))),
+        actual=call(override, cast_inputs(rounded, dtype, device)),
+        expected=call(default, cast_inputs(rounded, torch.float32)),
+        baseline=call(default, cast_inputs(rounded, dtype)),
     )

@@ -31,7 +31,7 @@ from platform_core.engine.outputs import PositionLogprobs, RequestMetrics
 from platform_core.engine.request_stream import GenerateRequest
 from platform_core.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 _PARAM_TYPES = typing.get_type_hints(SamplingParams)

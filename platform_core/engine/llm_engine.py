@@ -24,20 +24,27 @@ from platform_core.engine.stats import engine_stats
 from platform_core.engine.validation import RequestLimits, validate_request
 from platform_core.errors import InvalidRequestError
 from platform_core.executor.base import WorkerDiedError
+from platform_core.reasoning import get_reasoning_parser
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput
 from platform_core.scheduler.request import Request, RequestStatus
+from platform_core.structured_output.manager import StructuredOutputManager
 from platform_core.worker.kv_tensors import KVCacheInfo
 
 logger = logging.getLogger("platform_core.engine")
 
 DEADLINE_EXCEEDED = "deadline exceeded"  # the error of a request aborted at its deadline
+# How long an otherwise idle step waits for a grammar to compile (the loop then checks commands).
+GRAMMAR_WAIT_S = 0.05
 
 
 class LLMEngine:
     """Owns the backend, model runner, scheduler and tokenizer of one model."""
 
     def __init__(self, config: EngineConfig) -> None:
+        # Looked up first: an unknown name fails before any worker starts.
+        reasoning_name = config.structured_outputs.reasoning_parser
+        reasoning_class = None if reasoning_name is None else get_reasoning_parser(reasoning_name)
         parts = build_engine_parts(config)
         self.config = parts.config
         self.backend = parts.backend
@@ -58,6 +65,14 @@ class LLMEngine:
             self.vocab_size,
             self.config.scheduler.max_num_seqs,
             self.tokenizer is not None,
+        )
+        self.structured = StructuredOutputManager(
+            self.config.structured_outputs.structured_outputs_backend,
+            self.tokenizer,
+            self.vocab_size,
+            self.eos_token_ids,
+            # constraints apply once the reasoning ended
+            None if reasoning_class is None else reasoning_class(self.tokenizer),
         )
         self.faults: FaultInjector | None = None  # tests set one to inject failures
         # A heap of (deadline, tie-break, request); entries of finished requests stay until
@@ -107,6 +122,9 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = list(prompt_token_ids)
         validate_request(prompt_token_ids, params, self.limits)
+        if params.structured_outputs is not None:
+            self.structured.check(params.structured_outputs)
+        self.scheduler.check_room(self.structured.num_parked)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = time.time() if arrival_time is None else arrival_time
@@ -124,7 +142,8 @@ class LLMEngine:
             request_id, prompt, prompt_token_ids, params, RequestMetrics(now), stream=stream
         )
         state.samples.append(self._sample_state(request, 0))
-        self.scheduler.add_request(request)
+        if params.structured_outputs is None or self.structured.submit(request):
+            self.scheduler.add_request(request, check_room=False)
         self._requests[request_id] = state
         self._samples[request_id] = (state, 0)
         for index, fork_id in enumerate(request.pending_fork_ids, start=1):
@@ -181,8 +200,14 @@ class LLMEngine:
         the engine is dead: every request fails and the error propagates.
         """
         outputs = self._expire_deadlines()
+        if self.structured.num_parked:
+            outputs += self._admit_compiled()
         scheduler_output = self.scheduler.schedule()
+        self.structured.drop_matchers(scheduler_output.preempted_ids)
+        self.structured.fill_bitmasks(scheduler_output.scheduled)
         runner_output, failed = ModelRunnerOutput(), {}
+        if scheduler_output.is_empty and self.structured.num_parked:
+            self.structured.wait(GRAMMAR_WAIT_S)  # nothing else to do: do not spin
         if not scheduler_output.is_empty:
             check = None if self.faults is None else self.faults.check
             try:
@@ -193,9 +218,31 @@ class LLMEngine:
         for sample_id, error in failed.items():
             outputs += self._fail(sample_id, error)
         self.scheduler.update(scheduler_output, runner_output)
+        outputs += self._advance_grammars(runner_output)
         outputs += self._postprocess(runner_output)
         if self.proposer is not None:
             self.scheduler.propose_drafts(self.proposer, self.max_model_len, self._no_drafts_at)
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the parked requests whose grammar compiled; fail those whose compile failed."""
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request, check_room=False)
+        outputs = []
+        for request, error in failed:
+            outputs += self._fail(request.request_id, error)
+        return outputs
+
+    def _advance_grammars(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Feed the new tokens to the constrained samples' grammars: a token outside the grammar
+        fails its request, a grammar that accepted its end finishes its sample."""
+        errors, ended = self.structured.advance(runner_output.sampled, self.scheduler.find_request)
+        for sample_id in ended:
+            self.scheduler.finish(sample_id, RequestStatus.FINISHED_STOPPED, None)
+        outputs = []
+        for sample_id, error in errors.items():
+            outputs += self._fail(sample_id, error)
         return outputs
 
     def _fail(
@@ -302,12 +349,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop worker processes (if any); the engine is unusable afterwards."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def _forget(self, state: RequestState) -> None:
         self._requests.pop(state.request_id, None)
         for sample_id in state.sample_ids:
             self._samples.pop(sample_id, None)
+        self.structured.forget(state.sample_ids)
 
     def stats(self) -> dict[str, Any]:
         """Engine counters: preemptions, prefix-cache tokens, KV blocks, steps."""

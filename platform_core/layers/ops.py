@@ -13,6 +13,8 @@ Names and signatures:
   others to the reference op; without one, the GGML block formats), so that the start-up log
   and the automatic choice of ``quantization`` know
   (:func:`platform_core.quantization.formats.has_kernel`).
+- ``"apply_token_bitmask"``: :data:`platform_core.layers.token_bitmask.TokenBitmaskFn` (the
+  sampler's structured-output mask, in place on float32 logits; since plugin API 1.5)
 """
 
 from __future__ import annotations
@@ -30,9 +32,18 @@ from platform_core.layers.argmax import ArgmaxFn, row_argmax
 from platform_core.layers.linear import LinearFn
 from platform_core.layers.norm import RmsNormFn, rms_norm
 from platform_core.layers.rotary import RotaryFn, apply_rotary
+from platform_core.layers.token_bitmask import TokenBitmaskFn, apply_token_bitmask
 from platform_core.quantization.formats import QuantizedLinearFn, quantized_linear
 
-OVERRIDABLE_OPS = ("rms_norm", "rotary", "silu_and_mul", "linear", "argmax", "quantized_linear")
+OVERRIDABLE_OPS = (
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "linear",
+    "argmax",
+    "quantized_linear",
+    "apply_token_bitmask",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +56,7 @@ class LayerOps:
     linear: LinearFn = F.linear
     argmax: ArgmaxFn = row_argmax
     quantized_linear: QuantizedLinearFn = quantized_linear
+    apply_token_bitmask: TokenBitmaskFn = apply_token_bitmask
 
 
 def resolve_ops(overrides: Mapping[str, Callable[..., Any]] | None) -> LayerOps:

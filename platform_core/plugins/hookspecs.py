@@ -43,8 +43,9 @@ ENTRY_POINT_GROUP = "platform_core.backends"
 # What each minor added (a backend declaring an older one gets the defaults):
 # 1.1: Capabilities.auto_float32_dtype; 1.2: BackendInfo.details, Capabilities.auto_dtype_reason;
 # 1.3: platform_core.backend_api, Backend.communicator defaults to torch.distributed;
-# 1.4: Backend.before_step, the quantized_linear op (platform_core.quantization.formats).
-PLUGIN_API_VERSION = (1, 4)
+# 1.4: Backend.before_step, the quantized_linear op (platform_core.quantization.formats);
+# 1.5: the apply_token_bitmask op (platform_core.layers.token_bitmask).
+PLUGIN_API_VERSION = (1, 5)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

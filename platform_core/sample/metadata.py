@@ -24,16 +24,19 @@ class SampleSource(Protocol):
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    token_bitmask: torch.Tensor | None
 
 
 @dataclass(slots=True, kw_only=True)
 class SampleRow:
-    """One row to sample: the request (or fork child) id, its params and its token history."""
+    """One row to sample: the request (or fork child) id, its params, its token history and
+    the bitmask of the tokens its constraint allows (``[1, words]``; None: unconstrained)."""
 
     request_id: str
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -62,6 +65,8 @@ class SamplingMetadata:
 
     Each processor turns its ``RowTokens`` into one coordinate pair (rows, ids) and applies one
     batched tensor operation over the rows that need it; ``bias_values`` lines up with ``bias``.
+    ``bitmask`` holds one row of allowed-token bits per constrained row, ``bitmask_rows`` which
+    rows those are.
     ``random`` is ``None`` when every row is greedy: such a batch needs no sampling tensors.
     """
 
@@ -74,6 +79,8 @@ class SamplingMetadata:
     blocked: RowTokens | None
     penalty_rows: list[int]
     max_logprobs: int
+    bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -124,8 +131,13 @@ def build_sampling_metadata(
     eos: torch.Tensor | None = None
     penalty_rows: list[int] = []
     max_logprobs = -1
+    bitmasks: list[torch.Tensor] = []
+    bitmask_rows: list[int] = []
     for i, row in enumerate(rows):
         p = row.sampling_params
+        if row.token_bitmask is not None:
+            bitmasks.append(row.token_bitmask)
+            bitmask_rows.append(i)
         greedy.append(p.greedy)
         if p.allowed_token_array is not None:
             allowed.append((i, _view(p.allowed_token_array, torch.int64)))
@@ -153,6 +165,8 @@ def build_sampling_metadata(
         blocked=blocked or None,
         penalty_rows=penalty_rows,
         max_logprobs=max_logprobs,
+        bitmask=torch.cat(bitmasks).to(device) if bitmasks else None,
+        bitmask_rows=torch.tensor(bitmask_rows, device=device) if bitmasks else None,
     )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from platform_core.layers.argmax import ArgmaxFn, row_argmax
+from platform_core.layers.token_bitmask import TokenBitmaskFn, apply_token_bitmask
 from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sample.metadata import SamplingMetadata
 from platform_core.sample.processors import apply_allowed_bias_and_blocks, apply_penalties
@@ -34,14 +35,19 @@ class Sampler:
 
     The steps are public so speculative verification can reuse them: ``process`` (masks, biases,
     penalties), ``probabilities`` (temperature, min-p, top-k, top-p) and ``draw``. ``argmax`` is
-    the backend's row argmax (an op override) or torch's.
+    the backend's row argmax and ``apply_bitmask`` its structured-output mask (op overrides), or
+    the reference ops.
     """
 
     def __init__(
-        self, generator: torch.Generator | None = None, argmax: ArgmaxFn = row_argmax
+        self,
+        generator: torch.Generator | None = None,
+        argmax: ArgmaxFn = row_argmax,
+        apply_bitmask: TokenBitmaskFn = apply_token_bitmask,
     ) -> None:
         self.generator = generator
         self.argmax = argmax
+        self.apply_bitmask = apply_bitmask
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         processed = self.process(logits, meta)
@@ -53,10 +59,16 @@ class Sampler:
         return SamplerOutput(token_ids=token_list, logprobs=self.logprobs(logits, token_list, meta))
 
     def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Logits after allowed-token masks, biases, ``min_tokens`` blocks and penalties (float32
-        when any applies; otherwise the logits as they came)."""
+        """Logits after structured-output and allowed-token masks, biases, ``min_tokens`` blocks
+        and penalties (float32 when any applies; otherwise the logits as they came)."""
         nothing_to_apply = meta.allowed is None and meta.bias is None and meta.blocked is None
-        if nothing_to_apply and not meta.penalty_rows:
+        if meta.bitmask is not None:
+            # The raw logits stay as they are: logprobs are computed from them.
+            masked = logits.float()
+            masked = masked.clone() if masked is logits else masked
+            self.apply_bitmask(masked, meta.bitmask, meta.bitmask_rows)
+            logits = masked
+        elif nothing_to_apply and not meta.penalty_rows:
             return logits
         return apply_penalties(apply_allowed_bias_and_blocks(logits.float(), meta), meta)
 

@@ -26,7 +26,9 @@ class ScheduledRequest:
     the last ``1 + num_draft_tokens`` positions are all scored and verified. ``fork_ids`` names
     the extra samples of an ``n > 1`` request that fork off on this step's token (sampled from the
     same logits). ``prompt_token_ids`` and ``output_token_ids`` are the request's own lists
-    (shared, not copied, in process) for penalties and prompt logprobs.
+    (shared, not copied, in process) for penalties and prompt logprobs. ``token_bitmask``
+    (``[1 + num_draft_tokens, words]`` int32, set on the driver for a request with a
+    ``structured_outputs`` constraint) holds the tokens allowed at each sampled position.
     """
 
     request_id: str
@@ -41,6 +43,7 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     draft_probs: Any = None
     first_block: int = 0
+    token_bitmask: Any = None
 
     @property
     def draft_token_ids(self) -> list[int]:

@@ -78,13 +78,21 @@ class Scheduler:
         """Raise ``BlockPoolError`` if the KV cache's bookkeeping is inconsistent."""
         self.kv.check_integrity()
 
-    def add_request(self, request: Request) -> None:
-        """Queue a new request (its id must be unused)."""
+    def check_room(self, num_waiting_elsewhere: int = 0) -> None:
+        """Raise ``QueueFullError`` when the waiting requests, with ``num_waiting_elsewhere``
+        held outside the scheduler (for a grammar to compile), are at ``max_waiting_requests``."""
+        limit = self.config.max_waiting_requests
+        num_waiting = len(self.waiting) + num_waiting_elsewhere
+        if limit is not None and num_waiting >= limit:
+            raise QueueFullError(f"{num_waiting} requests are waiting (limit {limit})")
+
+    def add_request(self, request: Request, check_room: bool = True) -> None:
+        """Queue a new request (its id must be unused); ``check_room=False`` when the caller
+        did (``check_room``) before holding it elsewhere."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        limit = self.config.max_waiting_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting (limit {limit})")
+        if check_room:
+            self.check_room()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

@@ -76,8 +76,10 @@ class ModelRunner:
         )
         self.block_size = config.cache.block_size
         self.input_builder = InputBuilder(self.block_size, backend.device)
-        argmax = resolve_ops(overrides).argmax
-        self.step_sampler = StepSampler(config.model.seed, eos_token_ids, argmax)
+        ops = resolve_ops(overrides)
+        self.step_sampler = StepSampler(
+            config.model.seed, eos_token_ids, ops.argmax, ops.apply_token_bitmask
+        )
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         #: the backend's graph runner wrapping the model's forward, when it made one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from platform_core.layers.argmax import ArgmaxFn, row_argmax
+from platform_core.layers.token_bitmask import TokenBitmaskFn, apply_token_bitmask
 from platform_core.sample.draft_verify import DraftGroup, verify
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.sampler import Sampler, compute_logprobs
@@ -16,11 +17,15 @@ class StepSampler:
     """Samples (and verifies drafts) for the requests of a step; owns per-request generators."""
 
     def __init__(
-        self, seed: int, eos_token_ids: frozenset[int], argmax: ArgmaxFn = row_argmax
+        self,
+        seed: int,
+        eos_token_ids: frozenset[int],
+        argmax: ArgmaxFn = row_argmax,
+        apply_bitmask: TokenBitmaskFn = apply_token_bitmask,
     ) -> None:
         generator = torch.Generator()
         generator.manual_seed(seed)
-        self.sampler = Sampler(generator, argmax)
+        self.sampler = Sampler(generator, argmax, apply_bitmask)
         self.generators = GeneratorStore()
         self.eos_token_ids = eos_token_ids
 
@@ -75,6 +80,7 @@ class StepSampler:
         for request in requests:
             drafts = request.draft_token_ids
             history = request.output_token_ids
+            bitmask = request.token_bitmask
             for index, request_id in enumerate([request.request_id, *request.fork_ids]):
                 params = request.sampling_params
                 params = params.clone_for_sample(index) if index else params
@@ -87,6 +93,7 @@ class StepSampler:
                             sampling_params=params,
                             prompt_token_ids=request.prompt_token_ids,
                             output_token_ids=before,
+                            token_bitmask=None if bitmask is None else bitmask[i : i + 1],
                         )
                     )
                     logits_rows.append(position + i)

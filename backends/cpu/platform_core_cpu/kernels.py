@@ -8,8 +8,9 @@ every later process and a changed source or machine gets a fresh one. A build is
 when its library still has the sha256 recorded when it last loaded; an interrupted build (no
 record) or a damaged library is discarded and compiled again (:func:`build_problem`). Each level
 registers its ops in its own namespace, ``torch.ops.platform_core_cpu_<level>.{paged_attention,
-write_kv, rms_norm, silu_and_mul, rotary, linear_bf16, quantized_linear, argmax_rows}``, so one
-process can load several levels (the tests check every level the CPU runs against the reference).
+write_kv, rms_norm, silu_and_mul, rotary, linear_bf16, quantized_linear, argmax_rows,
+apply_token_bitmask}``, so one process can load several levels (the tests check every level the
+CPU runs against the reference).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ SOURCES = (
     "linear.cpp",
     "quantized_linear.cpp",
     "argmax.cpp",
+    "token_bitmask.cpp",
     "ops.cpp",
 )
 HEADERS = (

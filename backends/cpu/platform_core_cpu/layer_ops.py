@@ -1,5 +1,5 @@
-"""Fused RMS norm, SiLU-and-multiply and rotary, and a vectorized row argmax for the sampler,
-from the compiled kernels, as op overrides.
+"""Fused RMS norm, SiLU-and-multiply and rotary, and a vectorized row argmax and token bitmask
+for the sampler, from the compiled kernels, as op overrides.
 
 Each fused op reads its input once instead of running a chain of torch ops (four to six passes
 and temporaries each); results round where the unfused ops round. Inputs the kernels do not take
@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from platform_core.backend_api import apply_rotary, rms_norm, row_argmax, silu_and_mul
+from platform_core.backend_api import (
+    apply_rotary,
+    apply_token_bitmask,
+    rms_norm,
+    row_argmax,
+    silu_and_mul,
+)
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -23,8 +29,9 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 
 def fused_layer_ops(ops: Any) -> dict[str, Callable[..., Any]]:
-    """``rms_norm``, ``silu_and_mul``, ``rotary`` and ``argmax`` overrides over the compiled
-    ``ops`` namespace (a kernel build's ``torch.ops.platform_core_cpu_<level>``)."""
+    """``rms_norm``, ``silu_and_mul``, ``rotary``, ``argmax`` and ``apply_token_bitmask``
+    overrides over the compiled ``ops`` namespace (a kernel build's
+    ``torch.ops.platform_core_cpu_<level>``)."""
 
     def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if weight.dtype != x.dtype:
@@ -57,9 +64,25 @@ def fused_layer_ops(ops: Any) -> dict[str, Callable[..., Any]]:
             return ops.argmax_rows(x)
         return row_argmax(x)
 
+    def compiled_token_bitmask(
+        logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        takes = (
+            logits.dtype == torch.float32
+            and logits.dim() == bitmask.dim() == 2
+            and logits.stride(1) == bitmask.stride(1) == 1
+            and bitmask.dtype == torch.int32
+            and rows.dtype == torch.int64
+        )
+        if takes:
+            ops.apply_token_bitmask(logits, bitmask, rows.contiguous())
+        else:
+            apply_token_bitmask(logits, bitmask, rows)
+
     return {
         "rms_norm": fused_rms_norm,
         "silu_and_mul": fused_silu_and_mul,
         "rotary": fused_rotary,
         "argmax": compiled_argmax,
+        "apply_token_bitmask": compiled_token_bitmask,
     }

@@ -31,9 +31,9 @@ from platform_core_cpu.thread_governor import (
 
 logger = logging.getLogger("platform_core_cpu")
 
-# 1.4: before_step (1.3: the backend API, the default communicator; 1.2: BackendInfo.details,
-# auto_dtype_reason)
-BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 4), priority=0)
+# 1.5: the apply_token_bitmask op (1.4: before_step; 1.3: the backend API, the default
+# communicator; 1.2: BackendInfo.details, auto_dtype_reason)
+BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 5), priority=0)
 
 
 def capabilities(isa: CpuIsa | None = None) -> Capabilities:
@@ -90,8 +90,8 @@ class CpuBackend(Backend):
     def op_overrides(self) -> dict[str, Any]:
         """float32 and bf16 linears on this CPU's path
         (:class:`~platform_core_cpu.linear.CpuLinear`; other dtypes are unchanged), and the
-        compiled fused RMS norm, SiLU-and-multiply, rotary, argmax and quantized linear
-        (:mod:`~platform_core_cpu.quantized_linear`), unless on the torch path."""
+        compiled fused RMS norm, SiLU-and-multiply, rotary, argmax, token bitmask and quantized
+        linear (:mod:`~platform_core_cpu.quantized_linear`), unless on the torch path."""
         from platform_core_cpu.layer_ops import fused_layer_ops
         from platform_core_cpu.linear import CpuLinear
         from platform_core_cpu.quantized_linear import compiled_quantized_linear

@@ -87,6 +87,9 @@ def build_app(
     trust_request_chat_template: bool = False,
     root_path: str = "",
     enable_tokenizer_info_endpoint: bool = False,
+    reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` under ``served_model_name``.
 
@@ -107,6 +110,9 @@ def build_app(
         return_tokens_as_token_ids,
         enable_force_include_usage,
         trust_request_chat_template,
+        reasoning_parser,
+        tool_call_parser,
+        enable_auto_tool_choice,
     )
     ctx = ServerContext(
         engine,
@@ -312,8 +318,11 @@ def serve_engine(
 ) -> int:
     """Serve ``engine`` with the ``serve`` flags in ``args`` (on ``sockets`` when given, else
     binding --host/--port) until stopped; shut the engine down; the exit status."""
+    from platform_core.entrypoints.engine_args import engine_config_from_args
+
     server = None
     try:
+        parsing = engine_config_from_args(args).structured_outputs
         app = build_app(
             engine,
             name,
@@ -334,6 +343,9 @@ def serve_engine(
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             root_path=args.root_path,
             enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+            reasoning_parser=parsing.reasoning_parser,
+            tool_call_parser=parsing.tool_call_parser,
+            enable_auto_tool_choice=parsing.enable_auto_tool_choice,
         )
         settings = ServerSettings(
             host=args.host,

@@ -27,7 +27,9 @@ from pydantic import (
     model_validator,
 )
 
+from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
+from platform_core.structured_outputs_params import KINDS, StructuredOutputsParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenIds = list[Int64]
@@ -92,6 +94,95 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaSpec(_Request):
+    """``response_format.json_schema``: a named JSON schema the output must match.
+
+    ``strict`` is accepted for OpenAI's clients; the schema is always enforced exactly.
+    """
+
+    name: Text
+    description: Text | None = None
+    schema_: dict[Text, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TagStructure(_Request):
+    """One tagged segment of vLLM's structural tag: text between ``begin`` and ``end`` is JSON
+    matching ``schema``."""
+
+    begin: Text
+    schema_: dict[Text, Any] = Field(alias="schema")
+    end: Text
+
+
+# The fields each ``response_format`` type takes besides ``type``.
+_FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
+    "text": (),
+    "json_object": (),
+    "json_schema": ("json_schema",),
+    "structural_tag": ("structures", "triggers", "format"),
+}
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``), plus vLLM's
+    ``structural_tag``: either ``structures`` with ``triggers`` (vLLM's form) or ``format``
+    (xgrammar's structural tag), handed to the grammar engine as they are."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaSpec | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[Text] | None = None
+    format: dict[Text, Any] | None = None
+
+    def constraint(self) -> dict[str, Any] | None:
+        """The ``StructuredOutputsParams`` field this format sets, as ``{kind: value}``;
+        ``None`` for ``text``. Raises ``InvalidRequestError`` for a field the type lacks or
+        does not take."""
+        for name in type(self).model_fields:
+            if getattr(self, name) is not None and name not in ("type", *_FORMAT_FIELDS[self.type]):
+                raise InvalidRequestError(
+                    f"response_format.{name} does not apply to type {self.type!r}",
+                    f"response_format.{name}",
+                )
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise InvalidRequestError(
+                    "response_format of type 'json_schema' needs json_schema.schema, the JSON "
+                    "schema the output must match",
+                    "response_format.json_schema.schema",
+                )
+            return {"json": self.json_schema.schema_}
+        if self.type == "structural_tag":
+            if (self.format is None) == (self.structures is None or self.triggers is None):
+                raise InvalidRequestError(
+                    "response_format of type 'structural_tag' needs either format (xgrammar's "
+                    "structural tag) or structures with triggers (vLLM's)",
+                    "response_format",
+                )
+            tag = self.model_dump(
+                by_alias=True, exclude_none=True, include=set(type(self).model_fields)
+            )
+            return {"structural_tag": tag}
+        return None
+
+
+# vLLM's older per-field constraints -> the ``StructuredOutputsParams`` field each sets.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+# vLLM's older per-request options, refused: ignoring one would silently change the output.
+_REFUSED = {
+    "guided_whitespace_pattern": "use structured_outputs.disable_any_whitespace for compact JSON",
+    "guided_decoding_backend": "the server's --structured-outputs-backend picks the grammar engine",
+}
+
+
 class SamplingRequest(_Request):
     """Fields shared by completions and chat: OpenAI's names plus vLLM's sampling extras.
 
@@ -133,6 +224,14 @@ class SamplingRequest(_Request):
     length_penalty: float = Field(default=1.0, allow_inf_nan=False)
     # Seconds the whole request may take, queueing included; past it the request is aborted.
     timeout: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # Output constraints: at most one of these may set one (``structured_outputs_params``).
+    response_format: ResponseFormat | None = None
+    # vLLM's: the fields of ``StructuredOutputsParams`` (checked, unknown keys refused, there).
+    structured_outputs: dict[Text, Any] | None = None
+    guided_json: dict[Text, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
     def deadline(self) -> float | None:
         """``timeout`` as a ``time.monotonic()`` deadline counted from now; ``None`` if unset."""
@@ -155,9 +254,45 @@ class SamplingRequest(_Request):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
+            structured_outputs=self.structured_outputs_params(),
         )
         settings.update(values)
         return SamplingParams(**settings)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint of the request, from whichever field set it
+        (``response_format``, ``structured_outputs`` or a ``guided_*`` field), with
+        ``structured_outputs``' options (``disable_any_whitespace``) applied; ``None`` if none.
+
+        Raises ``InvalidRequestError`` when two fields constrain the output, or one is invalid.
+        """
+        extra = self.model_extra or {}
+        for name, instead in _REFUSED.items():
+            if extra.get(name) is not None:
+                raise InvalidRequestError(f"{name} is not supported per request; {instead}", name)
+        options = dict(self.structured_outputs or {})
+        given: dict[str, dict[str, Any]] = {}  # field -> the constraint it sets
+        for kind in KINDS:
+            if options.get(kind) not in (None, False):
+                given[f"structured_outputs.{kind}"] = {kind: options.pop(kind)}
+        if self.response_format is not None and (constraint := self.response_format.constraint()):
+            given["response_format"] = constraint
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                given[name] = {kind: getattr(self, name)}
+        if len(given) > 1:
+            first, second = list(given)[:2]
+            raise InvalidRequestError(
+                f"{first} and {second} both constrain the output; give only one", second
+            )
+        if not given and not options:
+            return None
+        params = StructuredOutputsParams.from_dict({**options, **next(iter(given.values()), {})})
+        if self.use_beam_search:
+            raise InvalidRequestError(
+                "beam search cannot follow an output constraint", "use_beam_search"
+            )
+        return params
 
 
 def _prompt_shape(value: Any) -> str:
@@ -204,12 +339,57 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
+class CalledFunction(_Request):
+    """The function an earlier assistant turn called: ``arguments`` is its JSON text."""
+
+    name: Text
+    arguments: Text
+
+
+class MessageToolCall(_Request):
+    """One tool call of an earlier assistant turn (``messages[i].tool_calls``)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
-    """One chat turn, passed to the model's chat template."""
+    """One chat turn, passed to the model's chat template: an assistant turn may carry its
+    ``tool_calls``, a ``tool`` turn the ``tool_call_id`` it answers."""
 
     role: Text
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: Text | None = None
+
+
+class FunctionDefinition(_Request):
+    """A function the model may call; ``parameters`` is the JSON schema of its arguments."""
+
+    name: Text
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    """One entry of ``tools``: OpenAI's ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` forcing one function: ``{"type": "function", "function": {"name"}}``."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -226,9 +406,14 @@ class ChatCompletionRequest(SamplingRequest):
     echo: bool = False
     chat_template: Text | None = None
     chat_template_kwargs: dict[Text, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    # None: "auto" when the server enables it (--enable-auto-tool-choice) and tools are given.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # Tool calling is not implemented: an empty list is accepted, any tool refused.
-    tools: list[dict[Text, Any]] | None = None
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """``tools`` as plain dicts (what chat templates and the call schema read)."""
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools or []]
 
 
 class TokenizeRequest(_Request):
@@ -356,9 +541,27 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ChatToolCall(BaseModel):
+    """A tool call of a reply; ``function.arguments`` is a JSON object's text."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """A reply: ``content`` is null when the model only called tools (or only reasoned);
+    ``reasoning_content`` holds the reasoning with ``--reasoning-parser``."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -383,9 +586,26 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCallItem(BaseModel):
+    """A streamed piece of call ``index``: the first has ``id``, ``type`` and the name; the
+    ``arguments`` pieces of an index concatenate to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCallItem] | None = None
 
 
 class ChatStreamChoice(BaseModel):

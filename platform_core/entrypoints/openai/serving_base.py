@@ -48,12 +48,17 @@ class ServingOptions:
     ``return_tokens_as_token_ids``: logprob tokens are ``token_id:N`` for every request.
     ``enable_force_include_usage``: every stream ends with a usage chunk.
     ``trust_request_chat_template``: a request may bring its own ``chat_template``.
+    ``reasoning_parser``, ``tool_call_parser``, ``enable_auto_tool_choice``: how chat replies
+    are split into reasoning, content and tool calls (the engine config keys of those names).
     """
 
     strict_request_fields: bool = False
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
     trust_request_chat_template: bool = False
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
 
 @dataclass(slots=True)

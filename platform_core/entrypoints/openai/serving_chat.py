@@ -8,6 +8,7 @@ template is code: a sandboxed one still can loop for long).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,14 @@ from starlette.responses import Response
 
 from platform_core.engine.outputs import PositionLogprobs, RequestOutput
 from platform_core.engine.request_stream import RequestStream
+from platform_core.entrypoints.openai.chat_parsing import (
+    ChatParsers,
+    ReplyFormat,
+    ReplyParser,
+    ReplyParts,
+    tool_call_items,
+    whole_tool_calls,
+)
 from platform_core.entrypoints.openai.deadline import RequestClock
 from platform_core.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -28,6 +37,7 @@ from platform_core.entrypoints.openai.protocol import (
     ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
+    MessageToolCall,
     TokenLogprob,
     TopLogprob,
 )
@@ -52,22 +62,42 @@ async def chat_prompt_ids(
 ) -> list[int]:
     """Prompt token ids the chat template makes of ``messages`` (on a worker thread); ``options``
     are ``render_chat_text``'s (``chat_template``, ``continue_final_message``...)."""
-    conversation = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise InvalidRequestError(
-                    "only text content parts are supported", f"messages.{i}.content"
-                )
-            content = "\n".join(part.text for part in content if part.text is not None)
-        turn = {"role": message.role, "content": content or ""}
-        if message.name is not None:
-            turn["name"] = message.name
-        conversation.append(turn)
+    conversation = [_template_turn(i, message) for i, message in enumerate(messages)]
     return await ctx.preparer.render_chat(
         conversation, add_generation_prompt, keep_last=keep_last, **options
     )
+
+
+def _template_turn(i: int, message: ChatMessage) -> dict[str, Any]:
+    """Message ``i`` as the chat template reads it: text content, and an assistant turn's
+    tool calls with their arguments as a dict (what templates iterate over) when they are a
+    JSON object."""
+    content = message.content
+    if isinstance(content, list):
+        if any(part.type != "text" or part.text is None for part in content):
+            raise InvalidRequestError(
+                "only text content parts are supported", f"messages.{i}.content"
+            )
+        content = "\n".join(part.text for part in content if part.text is not None)
+    turn: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        turn["name"] = message.name
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.tool_calls is not None:
+        turn["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    return turn
+
+
+def _template_call(call: MessageToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        arguments = call.function.arguments  # not an object: the template gets the text
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 def _echo_text(body: ChatCompletionRequest) -> str:
@@ -80,11 +110,19 @@ def _echo_text(body: ChatCompletionRequest) -> str:
     return "\n".join(part.text for part in last.content if part.text is not None)
 
 
+def _content(reply: ReplyFormat, echo: str, parts: ReplyParts) -> str | None:
+    """The content of a reply (or a piece of it) after ``echo``: null when there is none and
+    the reply is parsed (it may be all reasoning or calls), else the text as it is."""
+    content = echo + parts.content
+    return content or None if reply.parsing else content
+
+
 class ChatServing:
     """Handles chat completion requests against one ``ServerContext``."""
 
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
+        self.parsers = ChatParsers.from_options(ctx.options)
 
     async def create(self, body: ChatCompletionRequest, request: Request) -> Response:
         """Render, tokenize, submit, then answer with JSON or an event stream."""
@@ -94,8 +132,6 @@ class ChatServing:
         ignored = ctx.check_request(body, "chat/completions")
         ctx.check_model(body.model)
         ctx.check_limits(body, 1)
-        if body.tools:
-            raise InvalidRequestError("tool calling is not supported; omit tools", "tools")
         if body.chat_template is not None and not ctx.options.trust_request_chat_template:
             raise InvalidRequestError(
                 "this server does not take chat templates from requests (start it with "
@@ -115,8 +151,10 @@ class ChatServing:
                 chat_template=body.chat_template,
                 continue_final_message=body.continue_final_message,
                 template_kwargs=body.chat_template_kwargs,
+                tools=body.tool_dicts() or None,
             )
         )
+        reply = self.parsers.reply_format(body, ids, ctx.engine.tokenizer)
         max_tokens = body.max_completion_tokens
         if max_tokens is None:
             max_tokens = body.max_tokens
@@ -127,28 +165,37 @@ class ChatServing:
             max_tokens=max_tokens,
             logprobs=(top_logprobs or 0) if body.logprobs else None,
             prompt_logprobs=prompt_logprobs,
+            **({} if reply.constraint is None else {"structured_outputs": reply.constraint}),
         )
         response_id = new_id("chatcmpl")
         stream = await submit_or_search(ctx, body, response_id, [Prompt(None, ids)], params, clock)
         echo = _echo_text(body)
         if body.stream:
-            chunks = self._chunks(response_id, created, body, echo, stream, clock)
+            chunks = self._chunks(response_id, created, body, echo, reply, stream, clock)
             return with_ignored_header(event_stream(chunks), ignored)
         finals = await ctx.final_outputs(stream, request, clock)
         if finals is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
         final = finals[0]
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=AssistantMessage(content=echo + c.text),
-                logprobs=self._logprobs(body, c.token_ids, c.logprobs),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                token_ids=c.token_ids if body.return_token_ids else None,
+        choices = []
+        for c in final.outputs:
+            parser = reply.new_parser(ctx.engine.tokenizer)
+            parts = parser.parse(c.text)
+            message = AssistantMessage(
+                content=_content(reply, echo, parts),
+                reasoning_content=parts.reasoning or None,
+                tool_calls=whole_tool_calls(parts.tool_calls),
             )
-            for c in final.outputs
-        ]
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(body, c.token_ids, c.logprobs),
+                    finish_reason=parser.finish_reason(c.finish_reason),
+                    stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if body.return_token_ids else None,
+                )
+            )
         response = ctx.full_response(
             ChatCompletionResponse,
             response_id,
@@ -168,26 +215,36 @@ class ChatServing:
         created: int,
         body: ChatCompletionRequest,
         echo: str,
+        reply: ReplyFormat,
         stream: RequestStream,
         clock: RequestClock,
     ) -> AsyncIterator[ChatCompletionChunk]:
         """One chunk per choice delta (what OpenAI's and vLLM's clients read)."""
         ctx = self.ctx
         tracker = DeltaTracker()
+        parsers: dict[int, ReplyParser] = {}
         final: RequestOutput | None = None
         continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
         async for output in ctx.tracked(stream, clock):
             final = output
             for d in tracker.deltas(0, output):
                 ids = d.completion.token_ids[d.start :]
+                parser = parsers.get(d.index)
+                if parser is None:
+                    parser = parsers[d.index] = reply.new_parser(ctx.engine.tokenizer)
+                parts = parser.feed(d.text)
+                if d.completion.finished:
+                    parts = parts.add(parser.finish())
                 choice = ChatStreamChoice(
                     index=d.index,
                     delta=DeltaMessage(
                         role="assistant" if d.first else None,
-                        content=(echo if d.first else "") + d.text,
+                        content=_content(reply, echo if d.first else "", parts),
+                        reasoning_content=parts.reasoning or None,
+                        tool_calls=tool_call_items(parts.tool_calls),
                     ),
                     logprobs=self._logprobs(body, ids, (d.completion.logprobs or [])[d.start :]),
-                    finish_reason=d.completion.finish_reason,
+                    finish_reason=parser.finish_reason(d.completion.finish_reason),
                     stop_reason=d.completion.stop_reason,
                     token_ids=ids if body.return_token_ids else None,
                 )

@@ -45,6 +45,11 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& qweight,
 // torch.argmax(x, dim=-1) for float32 x [rows, n] with contiguous rows; int64 [rows].
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// Sets logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t / 32] is clear, for float32
+// logits [R, V] (contiguous rows), int32 bitmask [n, >= ceil(V / 32)], int64 rows [n].
+void apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitmask,
+                         const at::Tensor& rows);
+
 // Element conversions written on raw bits so that loops over them vectorize.
 template <typename T>
 inline float to_float(T x) {

@@ -27,6 +27,8 @@ PLATFORM_CORE_CPU_LIBRARY(PLATFORM_CORE_CPU_NAMESPACE, m) {
   m.def("quantized_linear(Tensor x, Tensor qweight, str format, Tensor? bias) -> Tensor",
         &platform_core_cpu::quantized_linear);
   m.def("argmax_rows(Tensor x) -> Tensor", &platform_core_cpu::argmax_rows);
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()",
+        &platform_core_cpu::apply_token_bitmask);
   m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
         &platform_core_cpu::rotary);
 }
