@@ -13,6 +13,7 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 
 from platform_core import LLM, SamplingParams
 from platform_core.errors import InvalidRequestError
@@ -304,3 +305,59 @@ def test_length_bounded_strings_go_to_llguidance_under_auto(text_model_dir, plai
         only_xgrammar.generate(PROMPTS[0], params, use_tqdm=False)
     named_like_a_keyword = {"type": "object", "properties": {"maxLength": {"type": "integer"}}}
     only_xgrammar.llm_engine.structured.check(StructuredOutputsParams(json=named_like_a_keyword))
+
+
+def test_rows_of_drafts_past_the_end_of_the_reasoning_are_constrained(text_model_dir):
+    """Drafts that end the reasoning: the rows before the end stay free, the rows after it get
+    the grammar's masks from its start, draft by draft."""
+    from transformers import AutoTokenizer
+
+    from platform_core.scheduler.output import ScheduledRequest
+    from platform_core.structured_output.manager import StructuredOutputManager
+
+    tokenizer = AutoTokenizer.from_pretrained(text_model_dir)
+    ids = {text: tokenizer.encode(text) for text in ("a", "b", "#", "1", "2")}
+    assert all(len(v) == 1 for v in ids.values())
+    a, b, end, one, two = (v[0] for v in ids.values())
+
+    class EndsAtHash(ReasoningParser):
+        end_token_ids = (end,)
+
+    manager = StructuredOutputManager("xgrammar", tokenizer, 320, [2], EndsAtHash(tokenizer))
+    digits = StructuredOutputsParams(regex="[0-9]{2}")
+    item = ScheduledRequest(
+        request_id="r",
+        token_ids=[b, end, one, two],
+        start_position=5,
+        block_ids=[],
+        sample=True,
+        sampling_params=SamplingParams(structured_outputs=digits),
+        prompt_token_ids=[a],
+        output_token_ids=[a, b],
+        num_draft_tokens=3,
+    )
+    manager.check(digits)
+    manager._compile(digits).result()
+    manager.fill_bitmasks([item])
+    rows = item.token_bitmask
+    assert rows.shape == (4, 10)
+    assert (rows[0] == -1).all()  # the token after "b": still reasoning
+    reference = manager._compiled[digits.key].result().matcher()
+    expected = torch.full((4, 10), -1, dtype=torch.int32)
+    reference.fill_bitmask(expected, 1)  # after "#": the grammar's start
+    assert reference.accept_token(one)
+    reference.fill_bitmask(expected, 2)
+    assert reference.accept_token(two)
+    reference.fill_bitmask(expected, 3)  # the regex is complete: only the end is left
+    assert torch.equal(rows, expected)
+    assert not (rows[1:] == -1).all(dim=1).any()
+
+
+def test_a_stop_string_ends_a_constrained_output(plain):
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, stop=["bbb"], structured_outputs={"regex": "ab{5}c"}
+    )
+    output = plain.generate(PROMPTS, params, use_tqdm=False)[0].outputs[0]
+    assert (output.text, output.finish_reason, output.stop_reason) == ("a", "stop", "bbb")
+    plain.check_kv_integrity()
+    assert plain.stats()["kv_blocks_used"] == 0

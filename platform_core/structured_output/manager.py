@@ -12,7 +12,8 @@ Life of a constrained request:
    next token, and one more row per speculative draft: drafts are fed to the matcher in turn
    (and rolled back after), so each draft is verified against the grammar's mask at its
    position. A draft the grammar refuses leaves the rows after it unconstrained; verification
-   rejects that draft, so those rows are never sampled.
+   rejects that draft, so those rows are never sampled. When the reasoning ends inside the
+   drafts, the rows after its end are constrained from the grammar's start.
 4. ``advance`` feeds the step's accepted tokens to each sample's matcher; a token the grammar
    refuses fails the request, a grammar that accepted its end finishes it.
 
@@ -215,28 +216,36 @@ class StructuredOutputManager:
     # ---------------------------------------------------------------- steps
     def fill_bitmasks(self, scheduled: list[ScheduledRequest]) -> None:
         """Set ``token_bitmask`` (``[1 + drafts, words]`` int32) of every constrained request
-        that samples this step; rows of drafts the grammar refuses stay all ones."""
+        that samples this step; rows of drafts the grammar refuses, and rows still in the
+        reasoning, stay all ones."""
         for item in scheduled:
             params = item.sampling_params.structured_outputs
             if params is None or not item.sample:
                 continue
             sample = self._sample(item.request_id, params, item.prompt_token_ids)
+            drafts = item.draft_token_ids
+            bitmask = torch.full((1 + len(drafts), self.bitmask_width), -1, dtype=torch.int32)
             matcher = self._synced(sample, item.output_token_ids)
-            if matcher is None:  # still reasoning
+            if matcher is not None:
+                fed = _fill_rows(matcher, bitmask, 0, drafts)
+                if fed:
+                    matcher.rollback(fed)
+            elif drafts:  # the reasoning may end inside the drafts: constrain the rows after
+                first = self._content_row(sample, item.output_token_ids, drafts)
+                if first is None:
+                    continue
+                _fill_rows(sample.compiled.matcher(), bitmask, first, drafts[first:])
+            else:
                 continue
-            bitmask = torch.full(
-                (1 + item.num_draft_tokens, self.bitmask_width), -1, dtype=torch.int32
-            )
-            matcher.fill_bitmask(bitmask, 0)
-            fed = 0
-            for draft in item.draft_token_ids:
-                if matcher.is_terminated() or not matcher.accept_token(draft):
-                    break
-                fed += 1
-                matcher.fill_bitmask(bitmask, fed)
-            if fed:
-                matcher.rollback(fed)
             item.token_bitmask = bitmask
+
+    def _content_row(
+        self, sample: _SampleGrammar, output_token_ids: list[int], drafts: list[int]
+    ) -> int | None:
+        """The first row (``0..len(drafts)``) after the end of the reasoning when it ends
+        inside ``drafts``, else None."""
+        start = self.reasoning.content_start([*output_token_ids, *drafts], sample.num_searched)
+        return None if start is None else start - len(output_token_ids)
 
     def advance(
         self, sampled: dict[str, list[int]], find_request: Callable[[str], Request | None]
@@ -306,6 +315,19 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         """Stop the compile thread (compiles in flight finish first)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fill_rows(matcher: GrammarMatcher, bitmask: torch.Tensor, row: int, drafts: list[int]) -> int:
+    """Fill ``bitmask[row]`` from ``matcher``, then feed it the drafts one by one, filling the
+    next row after each, until one is refused or the grammar ended; how many drafts it took."""
+    matcher.fill_bitmask(bitmask, row)
+    fed = 0
+    for draft in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(draft):
+            break
+        fed += 1
+        matcher.fill_bitmask(bitmask, row + fed)
+    return fed
 
 
 def _put(cache: OrderedDict, key: tuple, value: Any) -> None:
