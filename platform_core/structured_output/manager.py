@@ -218,6 +218,8 @@ class StructuredOutputManager:
         """Set ``token_bitmask`` (``[1 + drafts, words]`` int32) of every constrained request
         that samples this step; rows of drafts the grammar refuses, and rows still in the
         reasoning, stay all ones."""
+        if not self._samples and not self._compiled:
+            return  # no request ever had a constraint: nothing to look at
         for item in scheduled:
             params = item.sampling_params.structured_outputs
             if params is None or not item.sample:
@@ -257,6 +259,8 @@ class StructuredOutputManager:
         """
         errors: dict[str, str] = {}
         ended: list[str] = []
+        if not self._samples:
+            return errors, ended
         for sample_id in sampled:
             request = find_request(sample_id)
             if request is None or request.status.finished:
