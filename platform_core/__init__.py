@@ -13,10 +13,18 @@ apply_openmp_defaults()  # before anything imports torch (see openmp_defaults)
 if TYPE_CHECKING:
     from platform_core.engine.beam_search import BeamSearchParams
     from platform_core.entrypoints.llm import LLM
+    from platform_core.lora_request import LoRARequest
     from platform_core.sampling_params import SamplingParams
     from platform_core.structured_outputs_params import StructuredOutputsParams
 
-__all__ = ["LLM", "BeamSearchParams", "SamplingParams", "StructuredOutputsParams", "__version__"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "LoRARequest",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -29,6 +37,10 @@ def __getattr__(name: str):
         from platform_core.engine.beam_search import BeamSearchParams
 
         return BeamSearchParams
+    if name == "LoRARequest":
+        from platform_core.lora_request import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from platform_core.sampling_params import SamplingParams
 

@@ -66,6 +66,16 @@ if TYPE_CHECKING:
     from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
     from platform_core.layers.argmax import ArgmaxFn, row_argmax
     from platform_core.layers.linear import LinearFn
+    from platform_core.layers.lora import (
+        LoRAExpandFn,
+        LoRAMapping,
+        LoRASegment,
+        LoRAShrinkFn,
+        check_lora_expand_args,
+        check_lora_shrink_args,
+        lora_expand,
+        lora_shrink,
+    )
     from platform_core.layers.norm import RmsNormFn, rms_norm
     from platform_core.layers.ops import OVERRIDABLE_OPS, LayerOps, resolve_ops
     from platform_core.layers.rotary import RotaryFn, apply_rotary
@@ -137,6 +147,14 @@ __all__ = [  # noqa: RUF022 - grouped by topic, not sorted
     "ArgmaxFn",
     "apply_token_bitmask",
     "TokenBitmaskFn",
+    "lora_shrink",
+    "LoRAShrinkFn",
+    "lora_expand",
+    "LoRAExpandFn",
+    "LoRAMapping",
+    "LoRASegment",
+    "check_lora_shrink_args",
+    "check_lora_expand_args",
     "quantized_linear",
     "QuantizedLinearFn",
     "QuantFormat",
@@ -193,6 +211,14 @@ _LAZY = {
     "ArgmaxFn": "platform_core.layers.argmax",
     "apply_token_bitmask": "platform_core.layers.token_bitmask",
     "TokenBitmaskFn": "platform_core.layers.token_bitmask",
+    "lora_shrink": "platform_core.layers.lora",
+    "LoRAShrinkFn": "platform_core.layers.lora",
+    "lora_expand": "platform_core.layers.lora",
+    "LoRAExpandFn": "platform_core.layers.lora",
+    "LoRAMapping": "platform_core.layers.lora",
+    "LoRASegment": "platform_core.layers.lora",
+    "check_lora_shrink_args": "platform_core.layers.lora",
+    "check_lora_expand_args": "platform_core.layers.lora",
     "quantized_linear": "platform_core.quantization.formats",
     "QuantizedLinearFn": "platform_core.quantization.formats",
     "QuantFormat": "platform_core.quantization.formats",

@@ -247,6 +247,37 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Serving LoRA adapters over the base model.
+
+    With ``enable_lora`` each layer holds ``max_loras`` adapter slots of rank up to
+    ``max_lora_rank`` (lower ranks are zero-padded), so at most ``max_loras`` different adapters
+    run in one step; ``max_cpu_loras`` (default: ``max_loras``) adapters stay loaded in host
+    memory, least recently used evicted first, and others are read from disk on demand.
+    """
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ConfigError(f"max_lora_rank must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def cpu_capacity(self) -> int:
+        """How many adapters host memory keeps loaded."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All sections together, plus the backend choice."""
 
@@ -256,6 +287,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     backend: str = "auto"
 
     @classmethod
@@ -292,6 +324,7 @@ _SECTIONS = {
     "parallel": ParallelConfig,
     "speculative": SpeculativeConfig,
     "structured_outputs": StructuredOutputsConfig,
+    "lora": LoRAConfig,
 }
 _KEY_TO_SECTION = {f.name: name for name, cls in _SECTIONS.items() for f in fields(cls)}
 

@@ -17,6 +17,11 @@ class InvalidRequestError(PlatformCoreError, ValueError):
         self.param = param
 
 
+class LoRAAdapterError(InvalidRequestError):
+    """A LoRA adapter that cannot be served (missing files, rank above the limit, a target
+    module the model lacks, weights not in safetensors, shapes that do not fit)."""
+
+
 class BackendError(PlatformCoreError, RuntimeError):
     """A backend could not be found, loaded, or chosen."""
 

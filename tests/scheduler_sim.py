@@ -16,11 +16,13 @@ def make_scheduler(
     max_num_batched_tokens: int = 32,
     prefix_caching: bool = True,
     chunked_prefill: bool = True,
+    max_loras: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, chunked_prefill),
         CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         num_blocks,
+        max_loras,
     )
 
 

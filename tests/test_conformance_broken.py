@@ -26,8 +26,9 @@ from conformance_backends import (
     rms_norm_without_eps,
 )
 from platform_core_conformance import run_conformance
+from platform_core_conformance.op_checks import lora_mapping
 
-from platform_core.backend_api import apply_token_bitmask
+from platform_core.backend_api import LoRAMapping, apply_token_bitmask, lora_expand, lora_shrink
 
 # What in-process backends can run (the engine loads installed backends only).
 UNIT_CHECKS = "test_kernels or test_ops or test_registration"
@@ -35,6 +36,7 @@ OPS = "test_ops or test_registration"
 OP_CHECK, QUANTIZED = "test_op_override_matches_the_core_default", "quantized_linear"
 WITH_FP16 = dataclasses.replace(CAPABILITIES, dtypes=("float32", "float16"))
 BITMASK = "apply_token_bitmask"
+SHRINK, EXPAND = "lora_shrink", "lora_expand"
 
 
 def token_bitmask_without_tail(
@@ -43,6 +45,28 @@ def token_bitmask_without_tail(
     """Masks whole words only: the last ``vocab % 32`` tokens stay allowed (a kernel missing
     its tail loop)."""
     apply_token_bitmask(logits[:, : logits.shape[1] // 32 * 32], bitmask, rows)
+
+
+def lora_shrink_reusing_part_0(
+    x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping
+) -> torch.Tensor:
+    """Every part of a fused projection with the first part's A (a wrong part stride)."""
+    return lora_shrink(x, lora_a[:, :1].expand_as(lora_a), mapping)
+
+
+def lora_expand_wrapping_slot_minus_1(
+    out: torch.Tensor,
+    buffer: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+    mapping: LoRAMapping,
+) -> None:
+    """Base-model tokens get the last slot's adapter (``lora_b[-1]``: slot -1 used as an
+    index)."""
+    slots = mapping.token_slots.clone()
+    slots[slots < 0] = mapping.max_slots - 1
+    wrapped = lora_mapping(tuple(slots.tolist()), mapping.max_slots)
+    lora_expand(out, buffer, lora_b, slice_sizes, wrapped)
 
 
 def _checks(plugin: FixturePlugin, keyword: str, tmp_path: Path) -> tuple[int, dict[str, Any]]:
@@ -146,6 +170,29 @@ CATALOGUE: dict[str, tuple[FixturePlugin, str, dict[str, str], list[str]]] = {
             f"{OP_CHECK}[bfloat16-{BITMASK}-short-2of4x31-w1]": "elements at [[",
         },
         [f"{OP_CHECK}[float32-{BITMASK}-none-0of3x67-w3]"],
+    ),
+    "lora-shrink-one-part": (
+        FixturePlugin("lora-shrink-one-part", overrides={SHRINK: lora_shrink_reusing_part_0}),
+        OPS,
+        {
+            f"{OP_CHECK}[float32-{SHRINK}-one-token-t1-in67-s3-r8]": "override 'lora_shrink'",
+            f"{OP_CHECK}[bfloat16-{SHRINK}-prefill-t100-in96-s3-r8]": "override 'lora_shrink'",
+        },
+        [
+            f"{OP_CHECK}[float32-{SHRINK}-decode-t9-in33-s1-r1]",
+            f"{OP_CHECK}[bfloat16-{SHRINK}-prefill-t100-in64-s1-r16]",
+        ],
+    ),
+    "lora-expand-slot-minus-1": (
+        FixturePlugin(
+            "lora-expand-slot-minus-1", overrides={EXPAND: lora_expand_wrapping_slot_minus_1}
+        ),
+        OPS,
+        {
+            f"{OP_CHECK}[float32-{EXPAND}-decode-t9-n40+24-r16]": "override 'lora_expand'",
+            f"{OP_CHECK}[bfloat16-{EXPAND}-base-only-t6-n40+24-r8]": "override 'lora_expand'",
+        },
+        [f"{OP_CHECK}[float32-{EXPAND}-one-token-t1-n64+16+33-r8]"],
     ),
     "misspelt-override": (
         FixturePlugin("misspelt-override", overrides={"rmsnorm": DEFAULT_OPS["rms_norm"]}),

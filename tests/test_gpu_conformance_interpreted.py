@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("triton", reason="the GPU backends' kernels are Triton kernels")
 
 KERNELS = "test_write_kv or test_padding or test_paged_attention or test_gqa_ratios"
-CHECKS = f"({KERNELS} or quantized_linear or apply_token_bitmask) and not long"
+CHECKS = f"({KERNELS} or quantized_linear or apply_token_bitmask or lora_) and not long"
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,8 @@ def test_gpu_kernels_pass_under_the_triton_interpreter(
     quantized = [name for name in names if "quantized_linear" in name]
     assert len(quantized) >= 12 and any("Q4_1" in name for name in quantized), quantized
     assert any("FP8_E4M3" in name for name in quantized), quantized
+    lora = [name for name in names if "lora_" in name]
+    assert {name.split("-")[1] for name in lora} == {"lora_shrink", "lora_expand"}, lora
 
 
 def test_the_interpreter_must_be_on(tmp_path: Path) -> None:

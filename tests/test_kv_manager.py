@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from platform_core.kv_cache.hashing import extend_block_hashes, hash_block
 from platform_core.kv_cache.manager import KVCacheManager
+from platform_core.lora_request import LoRARequest
 
 
 @dataclass
@@ -14,6 +15,7 @@ class Sequence:
     all_token_ids: list[int]
     cache_salt: str | None = None
     num_computed_tokens: int = 0
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +101,28 @@ def test_cache_salt_separates_tenants():
     kv.cache_computed_blocks(a)
     assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5], salt="bob")) == []
     assert len(kv.find_cached_prefix(make_request("c", [1, 2, 3, 4, 5], salt="alice"))) == 2
+
+
+def test_adapters_share_no_blocks_with_each_other_or_the_base_model():
+    kv = KVCacheManager(num_blocks=16, block_size=2)
+    tokens = [1, 2, 3, 4, 5]
+    first, second = LoRARequest("x", 1, "/x"), LoRARequest("y", 2, "/y")
+    a = make_request("a", tokens)
+    a.lora_request = first
+    assert kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)
+    base = make_request("base", tokens)
+    other = make_request("other", tokens)
+    other.lora_request = second
+    same = make_request("same", tokens)
+    same.lora_request = first
+    assert kv.find_cached_prefix(base) == []
+    assert kv.find_cached_prefix(other) == []
+    assert len(kv.find_cached_prefix(same)) == 2
+    # A salt that spells an adapter's key is not that adapter.
+    assert kv.find_cached_prefix(make_request("salted", tokens, salt=first.cache_key)) == []
+    kv.check_integrity()
 
 
 def test_claiming_free_cached_blocks_counts_against_free_space():

@@ -8,12 +8,15 @@ cover the shapes that matter (odd sizes, one row and many, bias present and abse
 views as the model passes them) and magnitudes from tiny (where a norm's epsilon dominates) to
 large (where float16 squares overflow). An op the sampler calls on logits it has widened
 (``apply_token_bitmask``) gets float32 inputs whatever the dtype under test; an op that returns
-nothing works in place, and its first argument is its output. An op added to the contract later
-(LoRA, KV export/import) joins by adding its row to ``OP_TABLE``.
+nothing works in place, and its first argument is its output. The LoRA ops keep their float32
+buffer in float32 whatever the dtype (``lora_shrink`` returns it, ``lora_expand`` takes it), and
+their mapping's ``token_slots`` goes to the backend's device. An op added to the contract later
+(KV export/import) joins by adding its row to ``OP_TABLE``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +26,8 @@ from platform_core.backend_api import (
     ALL_QUANT_FORMATS,
     OVERRIDABLE_OPS,
     LayerOps,
+    LoRAMapping,
+    LoRASegment,
     QuantFormat,
     random_blocks,
 )
@@ -59,12 +64,16 @@ class OpRun:
 class OpSpec:
     """An overridable op: its cases, whether its output is compared exactly (indices, masked
     logits), the least tolerance it gets in any dtype (``floor``: an op allowed to round its
-    inputs), and whether it always gets float32 inputs (``widened``: the sampler's ops)."""
+    inputs), whether it always gets float32 inputs (``widened``: the sampler's ops), the
+    positions of arguments it takes in float32 whatever the dtype (``float32_args``: the LoRA
+    buffer) and whether it returns float32 whatever the dtype (``float32_output``)."""
 
     cases: tuple[OpCase, ...]
     exact: bool = False
     floor: Tolerance | None = None
     widened: bool = False
+    float32_args: tuple[int, ...] = ()
+    float32_output: bool = False
 
 
 def _randn(gen: torch.Generator, *dims: int, scale: float = 1.0) -> torch.Tensor:
@@ -151,6 +160,60 @@ def _bitmask_case(
     return OpCase(f"{name}-{len(masked)}of{rows}x{vocab}-w{words}", build)
 
 
+def lora_mapping(slots: tuple[int, ...], max_slots: int) -> LoRAMapping:
+    """The mapping of tokens running with ``slots`` (-1: the base model), its segments the
+    maximal runs of one slot."""
+    segments: list[LoRASegment] = []
+    for token, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        last = segments[-1] if segments else None
+        if last is not None and last.end == token and last.slot == slot:
+            segments[-1] = LoRASegment(last.start, token + 1, slot)
+        else:
+            segments.append(LoRASegment(token, token + 1, slot))
+    return LoRAMapping(torch.tensor(slots, dtype=torch.int32), tuple(segments), max_slots)
+
+
+LORA_SLOTS = 4
+# name -> each token's slot: one token, a decode batch (slots out of order, base-model tokens
+# between), ~100 tokens of a few prefills, only base-model tokens (no segments), no tokens.
+LORA_STEPS: dict[str, tuple[int, ...]] = {
+    "one-token": (2,),
+    "decode": (3, -1, 0, 0, 2, 1, -1, 3, 1),
+    "prefill": (2,) * 37 + (-1,) * 11 + (0,) * 29 + (3,) * 23,
+    "base-only": (-1,) * 6,
+    "no-tokens": (),
+}
+
+
+def _lora_shrink_case(step: str, inputs: int, rank: int, parts: int) -> OpCase:
+    """Adapter A of RMS ``inputs ** -0.5``: buffer entries of order one."""
+    slots = LORA_STEPS[step]
+
+    def build(gen: torch.Generator) -> Inputs:
+        lora_a = _randn(gen, LORA_SLOTS, parts, rank, inputs, scale=inputs**-0.5)
+        return (_randn(gen, len(slots), inputs), lora_a, lora_mapping(slots, LORA_SLOTS))
+
+    return OpCase(f"{step}-t{len(slots)}-in{inputs}-s{parts}-r{rank}", build)
+
+
+def _lora_expand_case(step: str, slice_sizes: tuple[int, ...], rank: int) -> OpCase:
+    """A random buffer (rows of base-model tokens too, which must not count) and adapter B of
+    RMS ``rank ** -0.5``: deltas of order one on outputs of order one."""
+    slots = LORA_STEPS[step]
+    outputs, parts = sum(slice_sizes), len(slice_sizes)
+
+    def build(gen: torch.Generator) -> Inputs:
+        out = _randn(gen, len(slots), outputs)
+        buffer = _randn(gen, parts, len(slots), rank)
+        lora_b = _randn(gen, LORA_SLOTS, outputs, rank, scale=rank**-0.5)
+        return (out, buffer, lora_b, slice_sizes, lora_mapping(slots, LORA_SLOTS))
+
+    sizes = "+".join(map(str, slice_sizes))
+    return OpCase(f"{step}-t{len(slots)}-n{sizes}-r{rank}", build)
+
+
 OP_TABLE: dict[str, OpSpec] = {
     "rms_norm": OpSpec(
         (
@@ -208,24 +271,59 @@ OP_TABLE: dict[str, OpSpec] = {
         exact=True,
         widened=True,
     ),
+    "lora_shrink": OpSpec(
+        (
+            _lora_shrink_case("one-token", 67, 8, 3),
+            _lora_shrink_case("decode", 64, 16, 2),
+            _lora_shrink_case("decode", 33, 1, 1),
+            _lora_shrink_case("prefill", 96, 8, 3),
+            _lora_shrink_case("prefill", 64, 16, 1),
+            _lora_shrink_case("base-only", 64, 8, 3),
+            _lora_shrink_case("no-tokens", 64, 8, 2),
+        ),
+        float32_output=True,
+    ),
+    "lora_expand": OpSpec(
+        (
+            _lora_expand_case("one-token", (64, 16, 33), 8),
+            _lora_expand_case("decode", (40, 24), 16),
+            _lora_expand_case("decode", (37,), 1),
+            _lora_expand_case("prefill", (64, 16, 33), 8),
+            _lora_expand_case("prefill", (96, 48), 16),
+            _lora_expand_case("base-only", (40, 24), 8),
+            _lora_expand_case("no-tokens", (48, 16, 16), 8),
+        ),
+        float32_args=(1,),
+    ),
 }
 assert set(OP_TABLE) == set(OVERRIDABLE_OPS), "every overridable op needs a row in OP_TABLE"
 
 DEFAULTS = LayerOps()
 
 
-def cast_inputs(inputs: Inputs, dtype: torch.dtype, device: torch.device | None = None) -> Inputs:
-    """``inputs`` with every float tensor in ``dtype`` (views kept: a strided view stays one)."""
+def cast_inputs(
+    inputs: Inputs,
+    dtype: torch.dtype,
+    device: torch.device | None = None,
+    float32_args: tuple[int, ...] = (),
+) -> Inputs:
+    """``inputs`` with every float tensor in ``dtype`` (views kept: a strided view stays one),
+    except those at ``float32_args``, in float32; a LoRA mapping's slots go to ``device``."""
 
-    def cast(arg: object) -> object:
+    def cast(arg: object, target: torch.dtype) -> object:
+        if isinstance(arg, LoRAMapping) and device is not None:
+            return dataclasses.replace(arg, token_slots=arg.token_slots.to(device))
         if not isinstance(arg, torch.Tensor) or not arg.is_floating_point():
             return arg
         base = arg if arg._base is None else arg._base
-        moved = base.to(dtype=dtype, device=device, copy=True)
+        moved = base.to(dtype=target, device=device, copy=True)
         # A view is re-created on the copied base with its own strides.
         return moved.as_strided(arg.shape, arg.stride(), arg.storage_offset())
 
-    return tuple(cast(arg) for arg in inputs)
+    return tuple(
+        cast(arg, torch.float32 if index in float32_args else dtype)
+        for index, arg in enumerate(inputs)
+    )
 
 
 def outputs_of(result: object) -> tuple[torch.Tensor, ...]:
@@ -243,10 +341,12 @@ def run_case(
 ) -> OpRun:
     """Run op ``name`` on ``case`` in ``dtype`` (float32 for a widened op): the override on
     ``device``, the default here."""
-    if OP_TABLE[name].widened:
+    spec = OP_TABLE[name]
+    if spec.widened:
         dtype = torch.float32
     inputs = case.build(torch.Generator().manual_seed(seed))
     rounded = cast_inputs(cast_inputs(inputs, dtype), torch.float32)
+    keep = spec.float32_args
     default = getattr(DEFAULTS, name)
 
     def call(op: Callable[..., object], args: Inputs) -> tuple[torch.Tensor, ...]:
@@ -255,7 +355,7 @@ def run_case(
 
     # Each side gets its own copies (an op may work in place).
     return OpRun(
-        actual=call(override, cast_inputs(rounded, dtype, device)),
+        actual=call(override, cast_inputs(rounded, dtype, device, keep)),
         expected=call(default, cast_inputs(rounded, torch.float32)),
-        baseline=call(default, cast_inputs(rounded, dtype)),
+        baseline=call(default, cast_inputs(rounded, dtype, float32_args=keep)),
     )

@@ -18,6 +18,7 @@ from platform_core.entrypoints.openai.limits import (
     DEFAULT_READ_TIMEOUT,
     DEFAULT_TOKENIZER_THREADS,
 )
+from platform_core.entrypoints.openai.lora_modules import parse_lora_module
 
 
 def _hosts(text: str) -> list[str]:
@@ -95,6 +96,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--served-model-name",
         default=None,
         help="model name clients use (default: the --model value, or the packaged model's name)",
+    )
+    serve.add_argument(
+        "--lora-modules",
+        type=parse_lora_module,
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve from start (needs --enable-lora): each 'name=path' (a PEFT "
+        'adapter directory) or JSON \'{"name": ..., "path": ..., "base_model_name": ...}\'; '
+        "a request picks one by its 'model'. Each is checked before the engine starts. More "
+        "can be loaded at run time with POST /v1/load_lora_adapter",
     )
     serve.add_argument(
         "--max-body-bytes",

@@ -137,6 +137,7 @@ class EngineCore(Generic[Owner]):
                     r.prompt_token_ids,
                     r.arrival_time,
                     deadline=r.deadline,
+                    lora_request=r.lora_request,
                 )
                 added.append(r.request_id)
         except Exception as exc:  # the owner gets the error; the loop goes on

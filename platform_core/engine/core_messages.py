@@ -29,9 +29,10 @@ import msgspec
 from platform_core import errors
 from platform_core.engine.outputs import PositionLogprobs, RequestMetrics
 from platform_core.engine.request_stream import GenerateRequest
+from platform_core.lora_request import LoRARequest
 from platform_core.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 _PARAM_TYPES = typing.get_type_hints(SamplingParams)
@@ -106,6 +107,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     params: WireSamplingParams  # type: ignore[valid-type]
     arrival_time: float
     deadline_in: float | None
+    lora_request: LoRARequest | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):
@@ -150,6 +152,7 @@ def request_to_wire(request: GenerateRequest) -> WireRequest:
         params_to_wire(request.params),
         request.arrival_time,
         None if deadline is None else deadline - time.monotonic(),
+        request.lora_request,
     )
 
 
@@ -163,6 +166,7 @@ def request_from_wire(wire: WireRequest) -> GenerateRequest:
         wire.prompt_token_ids,
         wire.arrival_time,
         None if left is None else time.monotonic() + left,
+        wire.lora_request,
     )
 
 

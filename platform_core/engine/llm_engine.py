@@ -24,6 +24,8 @@ from platform_core.engine.stats import engine_stats
 from platform_core.engine.validation import RequestLimits, validate_request
 from platform_core.errors import InvalidRequestError
 from platform_core.executor.base import WorkerDiedError
+from platform_core.lora.admission import LoRAAdmission
+from platform_core.lora_request import LoRARequest
 from platform_core.reasoning import get_reasoning_parser
 from platform_core.sampling_params import SamplingParams
 from platform_core.scheduler.output import ModelRunnerOutput
@@ -74,6 +76,7 @@ class LLMEngine:
             # constraints apply once the reasoning ended
             None if reasoning_class is None else reasoning_class(self.tokenizer),
         )
+        self.lora_admission = LoRAAdmission(self.config.lora, self.hf_config)
         self.faults: FaultInjector | None = None  # tests set one to inject failures
         # A heap of (deadline, tie-break, request); entries of finished requests stay until
         # their deadline comes up (or a compaction), so adding and finishing are O(log n).
@@ -106,8 +109,9 @@ class LLMEngine:
         cache_salt: str | None = None,
         deadline: float | None = None,
         stream: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue one request.
+        """Validate and queue one request (run with the adapter ``lora_request``, if given).
 
         Raises ``InvalidRequestError`` if it cannot run and ``QueueFullError`` when the waiting
         queue is full. ``deadline`` (a ``time.monotonic()`` value) aborts the request with an
@@ -122,6 +126,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = list(prompt_token_ids)
         validate_request(prompt_token_ids, params, self.limits)
+        self.lora_admission.check(lora_request)
         if params.structured_outputs is not None:
             self.structured.check(params.structured_outputs)
         self.scheduler.check_room(self.structured.num_parked)
@@ -136,6 +141,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             arrival_time=now,
             cache_salt=cache_salt,
+            lora_request=lora_request,
             pending_fork_ids=[f"{request_id}#{i}" for i in range(1, params.n)],
         )
         state = RequestState(

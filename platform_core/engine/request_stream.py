@@ -13,6 +13,7 @@ from typing import Any
 
 from platform_core.engine.outputs import RequestOutput
 from platform_core.errors import DeadlineExceededError, EngineDeadError, StreamBackpressureError
+from platform_core.lora_request import LoRARequest
 from platform_core.sampling_params import SamplingParams
 
 
@@ -26,6 +27,7 @@ class GenerateRequest:
     prompt_token_ids: list[int] | None = None
     arrival_time: float = field(default_factory=time.time)
     deadline: float | None = None  # time.monotonic() seconds; the engine aborts it after
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class StreamSink:
@@ -238,9 +240,13 @@ class SubmitFront:
         prompt: str | None,
         params: SamplingParams,
         prompt_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes; leaving early aborts it."""
-        stream = await self.submit([GenerateRequest(request_id, prompt, params, prompt_token_ids)])
+        request = GenerateRequest(
+            request_id, prompt, params, prompt_token_ids, lora_request=lora_request
+        )
+        stream = await self.submit([request])
         async with aclosing(aiter(stream)) as outputs:
             async for output in outputs:
                 yield output

@@ -224,7 +224,12 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
         backend=backend,
         executor=executor,
         runner=executor.driver,
-        scheduler=Scheduler(config.scheduler, config.cache, num_blocks),
+        scheduler=Scheduler(
+            config.scheduler,
+            config.cache,
+            num_blocks,
+            config.lora.max_loras if config.lora.enable_lora else None,
+        ),
         tokenizer=tokenizer,
         model_dir=model_dir,
         hf_config=hf_config,

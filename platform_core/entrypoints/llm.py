@@ -13,6 +13,7 @@ from platform_core.engine.llm_engine import LLMEngine
 from platform_core.engine.outputs import RequestOutput
 from platform_core.entrypoints.chat_template import Message, render_chat
 from platform_core.errors import InvalidRequestError
+from platform_core.lora_request import LoRARequest
 from platform_core.sampling_params import SamplingParams
 from platform_core.worker.kv_tensors import KVCacheInfo
 
@@ -59,19 +60,22 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is a string or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"``).
-        ``sampling_params`` is one for all prompts or one per prompt.
+        ``sampling_params`` is one for all prompts or one per prompt; so is ``lora_request``,
+        the adapter to run with (needs ``enable_lora=True``; None: the base model).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_for(len(prompts), sampling_params)
+        loras = _one_per_prompt(len(prompts), lora_request, LoRARequest, "lora_request")
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                request_ids.append(self._add(prompt, params))
+            for prompt, params, lora in zip(prompts, params_list, loras):
+                request_ids.append(self._add(prompt, params, lora))
         except Exception:
             self.engine.abort_request(request_ids)
             raise
@@ -84,8 +88,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the chat template."""
+        """Generate replies to one conversation or a list of them, with the chat template
+        (``lora_request`` as in :meth:`generate`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             {
@@ -95,15 +101,17 @@ class LLM:
             }
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
-        """The best ``params.beam_width`` beams of each prompt, in input order.
+        """The best ``params.beam_width`` beams of each prompt, in input order (every beam
+        with the adapter ``lora_request``, if given).
 
         Every round runs one single-token request per live beam (all prompts batched); beams
         share their common prefix's KV blocks through the prefix cache. See
@@ -121,7 +129,10 @@ class LLM:
         with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:
             while not search.done:
                 rounds = [{"prompt_token_ids": tokens} for tokens in search.pending()]
-                search.advance(self.generate(rounds, search.step_params, use_tqdm=False))
+                outputs = self.generate(
+                    rounds, search.step_params, use_tqdm=False, lora_request=lora_request
+                )
+                search.advance(outputs)
                 bar.update(1)
         return search.outputs(self.tokenizer)
 
@@ -140,20 +151,14 @@ class LLM:
         self, count: int, params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[SamplingParams]:
         if params is None:
-            return [self.get_default_sampling_params()] * count
-        if isinstance(params, SamplingParams):
-            return [params] * count
-        if len(params) != count:
-            raise InvalidRequestError(
-                f"got {len(params)} sampling params for {count} prompts", "sampling_params"
-            )
-        return list(params)
+            params = self.get_default_sampling_params()
+        return _one_per_prompt(count, params, SamplingParams, "sampling_params")
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None) -> str:
         request_id = self.engine.new_request_id()
         # generate() returns final outputs only: the engine need not build one every step.
         if isinstance(prompt, str):
-            self.engine.add_request(request_id, prompt, params, stream=False)
+            self.engine.add_request(request_id, prompt, params, stream=False, lora_request=lora)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             self.engine.add_request(
                 request_id,
@@ -161,6 +166,7 @@ class LLM:
                 params,
                 prompt_token_ids=prompt["prompt_token_ids"],
                 stream=False,
+                lora_request=lora,
             )
         else:
             raise InvalidRequestError(
@@ -213,3 +219,13 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _one_per_prompt(count: int, given: Any, single: type, name: str) -> list[Any]:
+    """``given`` for each of ``count`` prompts: one value (or None) for all, or a sequence of
+    exactly ``count``."""
+    if given is None or isinstance(given, single):
+        return [given] * count
+    if len(given) != count:
+        raise InvalidRequestError(f"got {len(given)} {name} for {count} prompts", name)
+    return list(given)

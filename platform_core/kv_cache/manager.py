@@ -12,6 +12,7 @@ from typing import Protocol
 
 from platform_core.kv_cache.block_pool import BlockPool, BlockPoolError
 from platform_core.kv_cache.hashing import extend_block_hashes
+from platform_core.lora_request import LoRARequest
 
 
 class TokenSequence(Protocol):
@@ -31,6 +32,9 @@ class TokenSequence(Protocol):
 
     @property
     def cache_salt(self) -> str | None: ...
+
+    @property
+    def lora_request(self) -> LoRARequest | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,8 +248,7 @@ class KVCacheManager:
     def _hashes_of(self, request: TokenSequence) -> list[bytes]:
         hashes = self._hashes.setdefault(request.request_id, [])
         if len(hashes) < request.num_tokens // self.block_size:
-            extra = (request.cache_salt,) if request.cache_salt else ()
-            extend_block_hashes(hashes, request.all_token_ids, self.block_size, extra)
+            extend_block_hashes(hashes, request.all_token_ids, self.block_size, _hash_keys(request))
         return hashes
 
     def check_integrity(self) -> None:
@@ -258,3 +261,12 @@ class KVCacheManager:
         if holders != self.pool.ref_counts:
             bad = [i for i, (h, r) in enumerate(zip(holders, self.pool.ref_counts)) if h != r]
             raise BlockPoolError(f"ref counts disagree with block tables at blocks {bad[:10]}")
+
+
+def _hash_keys(request: TokenSequence) -> tuple[str, ...]:
+    """What a sequence's blocks are keyed by besides its tokens: its cache salt (tenants share
+    no blocks) and its adapter (the same tokens give other K/V under another adapter)."""
+    lora = request.lora_request
+    if lora is None:
+        return (request.cache_salt,) if request.cache_salt else ()
+    return (request.cache_salt or "", lora.cache_key)

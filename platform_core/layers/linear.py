@@ -10,6 +10,7 @@ by whole blocks of columns, and the forward runs the ``quantized_linear`` op.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,14 @@ from platform_core.quantization.formats import QuantFormat, QuantizedLinearFn, q
 
 # ``F.linear``'s signature: ``(x, weight, bias) -> x @ weight.T (+ bias)``.
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class OutputDelta(Protocol):
+    """Something a linear adds to its output (LoRA adapters: ``platform_core.lora.layers``)."""
+
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add the delta of input ``x`` (``[T, in]``) to the projection ``out`` in place."""
+        ...
 
 
 def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -54,6 +63,8 @@ class QuantizableLinear(QuantizableWeight):
 
     _linear: LinearFn
     _quantized_linear: QuantizedLinearFn
+    #: added to every output (before a row-parallel all-reduce): the LoRA adapters, if any
+    delta: OutputDelta | None = None
 
     @property
     def in_features(self) -> int:
@@ -63,8 +74,12 @@ class QuantizableLinear(QuantizableWeight):
 
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is None:
-            return self._linear(x, self.weight, bias)
-        return self._quantized_linear(x, self.weight, self.quant, bias)
+            out = self._linear(x, self.weight, bias)
+        else:
+            out = self._quantized_linear(x, self.weight, self.quant, bias)
+        if self.delta is not None:
+            self.delta.add_to(x, out)
+        return out
 
 
 class ColumnParallelLinear(QuantizableLinear):

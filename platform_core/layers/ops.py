@@ -15,6 +15,10 @@ Names and signatures:
   (:func:`platform_core.quantization.formats.has_kernel`).
 - ``"apply_token_bitmask"``: :data:`platform_core.layers.token_bitmask.TokenBitmaskFn` (the
   sampler's structured-output mask, in place on float32 logits; since plugin API 1.5)
+- ``"lora_shrink"``: :data:`platform_core.layers.lora.LoRAShrinkFn` (each token's input times
+  its adapter's A, into a float32 buffer; since plugin API 1.6)
+- ``"lora_expand"``: :data:`platform_core.layers.lora.LoRAExpandFn` (the buffer times each
+  token's adapter's B, added in place to a projection's output; since plugin API 1.6)
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from platform_core.errors import BackendError
 from platform_core.layers.activation import SiluAndMulFn, silu_and_mul
 from platform_core.layers.argmax import ArgmaxFn, row_argmax
 from platform_core.layers.linear import LinearFn
+from platform_core.layers.lora import LoRAExpandFn, LoRAShrinkFn, lora_expand, lora_shrink
 from platform_core.layers.norm import RmsNormFn, rms_norm
 from platform_core.layers.rotary import RotaryFn, apply_rotary
 from platform_core.layers.token_bitmask import TokenBitmaskFn, apply_token_bitmask
@@ -43,6 +48,8 @@ OVERRIDABLE_OPS = (
     "argmax",
     "quantized_linear",
     "apply_token_bitmask",
+    "lora_shrink",
+    "lora_expand",
 )
 
 
@@ -57,6 +64,8 @@ class LayerOps:
     argmax: ArgmaxFn = row_argmax
     quantized_linear: QuantizedLinearFn = quantized_linear
     apply_token_bitmask: TokenBitmaskFn = apply_token_bitmask
+    lora_shrink: LoRAShrinkFn = lora_shrink
+    lora_expand: LoRAExpandFn = lora_expand
 
 
 def resolve_ops(overrides: Mapping[str, Callable[..., Any]] | None) -> LayerOps:

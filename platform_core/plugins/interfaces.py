@@ -200,9 +200,10 @@ class Backend(ABC):
     def op_overrides(self) -> dict[str, Callable[..., Any]]:
         """Optional ops by name, one of ``OVERRIDABLE_OPS`` (``"rms_norm"``, ``"rotary"``,
         ``"silu_and_mul"``, ``"linear"``, ``"argmax"``, ``"quantized_linear"``,
-        ``"apply_token_bitmask"`` since plugin API 1.5); their signatures are ``RmsNormFn``,
-        ``RotaryFn``, ``SiluAndMulFn``, ``LinearFn``, ``ArgmaxFn``, ``QuantizedLinearFn`` and
-        ``TokenBitmaskFn`` of the backend API."""
+        ``"apply_token_bitmask"`` since plugin API 1.5, ``"lora_shrink"`` and ``"lora_expand"``
+        since 1.6); their signatures are ``RmsNormFn``, ``RotaryFn``, ``SiluAndMulFn``,
+        ``LinearFn``, ``ArgmaxFn``, ``QuantizedLinearFn``, ``TokenBitmaskFn``, ``LoRAShrinkFn``
+        and ``LoRAExpandFn`` of the backend API."""
         return {}
 
     def adjust_config(self, config: EngineConfig) -> list[ConfigAdjustment]:

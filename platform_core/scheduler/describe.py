@@ -43,5 +43,6 @@ def describe_request(request: Request, num_new: int, kv: KVCacheManager) -> Sche
         num_draft_tokens=len(drafts),
         draft_probs=draft_probs,
         first_block=first_block,
+        lora_request=request.lora_request,
     )
     return item

@@ -30,6 +30,7 @@ def fork_samples(
             max_tokens=parent.max_tokens,
             arrival_time=parent.arrival_time,
             cache_salt=parent.cache_salt,
+            lora_request=parent.lora_request,
             num_computed_tokens=parent.num_computed_tokens,
             num_cached_tokens=parent.num_cached_tokens,
             status=RequestStatus.RUNNING,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from platform_core.lora_request import LoRARequest
 from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class ScheduledRequest:
     (shared, not copied, in process) for penalties and prompt logprobs. ``token_bitmask``
     (``[1 + num_draft_tokens, words]`` int32, set on the driver for a request with a
     ``structured_outputs`` constraint) holds the tokens allowed at each sampled position.
+    ``lora_request`` is the adapter every token of the request runs with (None: the base model).
     """
 
     request_id: str
@@ -44,6 +46,7 @@ class ScheduledRequest:
     draft_probs: Any = None
     first_block: int = 0
     token_bitmask: Any = None
+    lora_request: LoRARequest | None = None
 
     @property
     def draft_token_ids(self) -> list[int]:

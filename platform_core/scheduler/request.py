@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from platform_core.lora_request import LoRARequest
 from platform_core.sampling_params import SamplingParams
 
 
@@ -54,7 +55,8 @@ class Request:
     the ids of the extra samples of an ``n > 1`` request, forked off when its first token is
     sampled. ``spec_token_ids`` are draft tokens proposed for the next step (speculative decoding),
     ``spec_draft_probs`` the proposer's distributions for them (opaque here; ``None`` when the
-    proposer is deterministic).
+    proposer is deterministic). ``lora_request`` is the adapter it runs with (None: the base
+    model).
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class Request:
     arrival_time: float = 0.0
     scheduled_time: float = 0.0  # when first admitted to the running batch (0: not yet)
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

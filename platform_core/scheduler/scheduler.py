@@ -7,7 +7,9 @@ Each step:
 2. The rest of the budget admits waiting requests in arrival order (preempted ones first), each
    claiming its cached prefix and a chunk of its prompt. Waiting requests never preempt. A
    request whose prompt is mostly blocks that this step is computing for another request waits
-   one step: it then finds them cached instead of computing them again.
+   one step: it then finds them cached instead of computing them again. With LoRA at most
+   ``max_loras`` adapters run at once: a request whose adapter would be one too many stays
+   waiting while later requests (of running adapters or the base model) are admitted.
 
 Forking the samples of an ``n > 1`` request (``forks``), speculative drafts (``drafts``), the
 message for each scheduled request (``describe``) and the counters (``stats``) have their own
@@ -34,9 +36,14 @@ class Scheduler:
     """Decides which tokens of which requests run in each step; owns request lifetimes."""
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_loras: int | None = None,
     ):
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -175,6 +182,16 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         if not self.waiting:
             return budget
+        adapters = _AdapterRoom(self.max_loras, self.running, self.config.max_num_seqs)
+        try:
+            return self._admit_in_order(budget, scheduled, adapters)
+        finally:
+            for request in reversed(adapters.passed_over):
+                self.waiting.appendleft(request)
+
+    def _admit_in_order(
+        self, budget: int, scheduled: list[tuple[Request, int]], adapters: _AdapterRoom
+    ) -> int:
         seats = sum(r.num_seats for r in self.running)
         # Blocks this step completes (prompt chunks: decodes rarely complete a shared block).
         in_flight: set[bytes] = set()
@@ -185,6 +202,10 @@ class Scheduler:
             request = self.waiting.first()
             if seats + request.num_seats > self.config.max_num_seqs:
                 break
+            if not adapters.fits(request):
+                if not adapters.pass_over(self.waiting.popleft()):
+                    break
+                continue
             # Prompt logprobs need logits at every prompt position: such prompts are computed.
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
             cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
@@ -200,6 +221,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, cached):
                 break
             self.waiting.popleft()
+            adapters.admit(request)
             self.kv.record_prefix_lookup(request.num_tokens, num_cached_tokens)
             request.num_computed_tokens = num_cached_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, num_cached_tokens)
@@ -283,3 +305,31 @@ class Scheduler:
         self.kv.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+
+
+class _AdapterRoom:
+    """The LoRA adapters of one admission pass: at most ``max_loras`` (None: no limit) run at
+    once. A waiting request of an adapter that would be one too many is passed over (up to
+    ``max_passed_over`` of them; the caller puts them back at the head, in order) so that
+    later requests of running adapters and of the base model are not held up behind it."""
+
+    def __init__(self, max_loras: int | None, running: list[Request], max_passed_over: int):
+        self.max_loras = max_loras
+        self.running = {r.lora_request.lora_int_id for r in running if r.lora_request}
+        self.passed_over: list[Request] = []
+        self._max_passed_over = max_passed_over
+
+    def fits(self, request: Request) -> bool:
+        lora = request.lora_request
+        if lora is None or self.max_loras is None or lora.lora_int_id in self.running:
+            return True
+        return len(self.running) < self.max_loras
+
+    def admit(self, request: Request) -> None:
+        if request.lora_request is not None:
+            self.running.add(request.lora_request.lora_int_id)
+
+    def pass_over(self, request: Request) -> bool:
+        """Set ``request`` aside; False (nothing more can be passed over) when full."""
+        self.passed_over.append(request)
+        return len(self.passed_over) < self._max_passed_over

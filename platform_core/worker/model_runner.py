@@ -16,6 +16,8 @@ import torch
 
 from platform_core.config import EngineConfig
 from platform_core.layers.ops import resolve_ops
+from platform_core.lora.slots import LoRASlotTable
+from platform_core.lora.worker import WorkerLoRA
 from platform_core.models.quantized_weights import quantized_layers, quantized_summary
 from platform_core.plugins.interfaces import Backend, MemoryReport
 from platform_core.sampling_params import SamplingParams
@@ -77,6 +79,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.input_builder = InputBuilder(self.block_size, backend.device)
         ops = resolve_ops(overrides)
+        #: this rank's adapter slots, and (used on the driver) which adapter each slot holds
+        self.lora: WorkerLoRA | None = None
+        self.lora_slots: LoRASlotTable | None = None
+        if config.lora.enable_lora:
+            self.lora = WorkerLoRA(self.model, hf_config, config.lora, dtype, backend.device, ops)
+            self.lora_slots = LoRASlotTable(config.lora.max_loras)
         self.step_sampler = StepSampler(
             config.model.seed, eos_token_ids, ops.argmax, ops.apply_token_bitmask
         )
@@ -87,7 +95,9 @@ class ModelRunner:
 
     @property
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """The model's parameters and, with LoRA, its adapter slots."""
+        slots = 0 if self.lora is None else self.lora.slot_bytes
+        return slots + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @property
     def parameter_count(self) -> int:
@@ -147,7 +157,8 @@ class ModelRunner:
         )
         self.num_kv_blocks = num_blocks
         self.graph_runner = None
-        if max_model_len is not None:
+        # A trace would fix whether a step has adapters: with LoRA every step runs eagerly.
+        if max_model_len is not None and self.lora is None:
             self.graph_runner = self.backend.graph_runner(
                 self.model, self.kv_caches, self.config, max_model_len
             )
@@ -164,7 +175,10 @@ class ModelRunner:
 
     def plan(self, output: SchedulerOutput) -> StepPlan:
         """The step every rank runs (made on the driver)."""
-        return make_step_plan(output, self.input_builder)
+        plan = make_step_plan(output, self.input_builder, self.lora_slots)
+        if self.lora is not None:
+            self.lora.prepare(plan.lora)
+        return plan
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
@@ -175,6 +189,8 @@ class ModelRunner:
         self.backend.before_step()
         if plan.block_copies:
             self._copy_blocks(plan.block_copies)
+        if self.lora is not None:
+            self.lora.activate(plan.lora)
         model_input = self.input_builder.to_device(plan.batch)
         step_forward = self.model if self.graph_runner is None else self.graph_runner
         hidden = step_forward(

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from platform_core.lora.slots import LoRASlotTable, StepLoRA
 from platform_core.scheduler.output import SchedulerOutput
 from platform_core.worker.input_builder import HostBatch, InputBuilder
 
@@ -31,7 +32,8 @@ class StepPlan:
     """One step for all ranks: the batch, block copies, and the rows to compute logits for.
 
     ``logits_rows`` lists the sampling rows first (``num_sample_rows`` of them), then the rows of
-    each ``prompt_rows`` entry.
+    each ``prompt_rows`` entry. ``lora`` gives the adapter slots of the step's tokens (None
+    when no request of the step has an adapter).
     """
 
     batch: HostBatch
@@ -39,10 +41,14 @@ class StepPlan:
     logits_rows: np.ndarray
     num_sample_rows: int
     prompt_rows: list[PromptLogprobRows]
+    lora: StepLoRA | None = None
 
 
-def make_step_plan(output: SchedulerOutput, builder: InputBuilder) -> StepPlan:
-    """Plan the step: build the batch and add prompt-logprob rows where they are asked for."""
+def make_step_plan(
+    output: SchedulerOutput, builder: InputBuilder, lora_slots: LoRASlotTable | None = None
+) -> StepPlan:
+    """Plan the step: build the batch, add prompt-logprob rows where they are asked for, and
+    place the step's adapters in ``lora_slots`` (with LoRA enabled)."""
     batch = builder.build_host(output)
     rows = [batch.logits_indices]
     prompt_rows = []
@@ -65,4 +71,10 @@ def make_step_plan(output: SchedulerOutput, builder: InputBuilder) -> StepPlan:
         logits_rows=np.concatenate(rows) if len(rows) > 1 else batch.logits_indices,
         num_sample_rows=len(batch.logits_indices),
         prompt_rows=prompt_rows,
+        lora=None if lora_slots is None else _plan_lora(output, lora_slots),
     )
+
+
+def _plan_lora(output: SchedulerOutput, lora_slots: LoRASlotTable) -> StepLoRA | None:
+    scheduled = output.scheduled
+    return lora_slots.plan([r.lora_request for r in scheduled], [r.num_tokens for r in scheduled])

@@ -31,9 +31,9 @@ from platform_core_cpu.thread_governor import (
 
 logger = logging.getLogger("platform_core_cpu")
 
-# 1.5: the apply_token_bitmask op (1.4: before_step; 1.3: the backend API, the default
-# communicator; 1.2: BackendInfo.details, auto_dtype_reason)
-BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 5), priority=0)
+# 1.6: the lora_shrink and lora_expand ops (1.5: apply_token_bitmask; 1.4: before_step; 1.3: the
+# backend API, the default communicator; 1.2: BackendInfo.details, auto_dtype_reason)
+BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 6), priority=0)
 
 
 def capabilities(isa: CpuIsa | None = None) -> Capabilities:
@@ -91,12 +91,16 @@ class CpuBackend(Backend):
         """float32 and bf16 linears on this CPU's path
         (:class:`~platform_core_cpu.linear.CpuLinear`; other dtypes are unchanged), and the
         compiled fused RMS norm, SiLU-and-multiply, rotary, argmax, token bitmask and quantized
-        linear (:mod:`~platform_core_cpu.quantized_linear`), unless on the torch path."""
+        linear (:mod:`~platform_core_cpu.quantized_linear`), unless on the torch path; LoRA
+        shrink and expand on the step's slot groups (:mod:`~platform_core_cpu.lora_ops`) on
+        every path."""
         from platform_core_cpu.layer_ops import fused_layer_ops
         from platform_core_cpu.linear import CpuLinear
+        from platform_core_cpu.lora_ops import CpuLoRAOps
         from platform_core_cpu.quantized_linear import compiled_quantized_linear
 
-        overrides: dict[str, Any] = {}
+        lora = CpuLoRAOps()
+        overrides: dict[str, Any] = {"lora_shrink": lora.shrink, "lora_expand": lora.expand}
         compiled = self.attention.compiled_ops()
         packed = packed_linear_available()
         if packed or compiled is not None:

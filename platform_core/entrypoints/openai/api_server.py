@@ -3,7 +3,8 @@ with the read timeout, the shutdown drain and the engine-death watch) and ``run_
 
 Routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
 ``/detokenize``, ``/invocations`` and ``/ping`` (SageMaker's), ``/tokenizer_info`` (when enabled),
-``/health`` (always open), ``/version``, ``/metrics`` (open unless guarded).
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's), ``/health`` (always open),
+``/version``, ``/metrics`` (open unless guarded).
 The engine core runs in its own process (``ProcessEngine``; ``--engine-mode thread``: on a thread,
 ``AsyncEngine``); this module only wires HTTP to it.
 """
@@ -21,12 +22,13 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.responses import Response
 
 from platform_core import __version__
+from platform_core.config import EngineConfig
 from platform_core.engine.launch import start_engine
 from platform_core.engine.request_stream import SubmitFront
 from platform_core.entrypoints.openai import serving_tokenize
@@ -55,11 +57,14 @@ from platform_core.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from platform_core.entrypoints.openai.serving_base import ServerContext, ServingOptions
 from platform_core.entrypoints.openai.serving_chat import ChatServing
 from platform_core.entrypoints.openai.serving_completion import CompletionServing
+from platform_core.entrypoints.openai.serving_models import ServedModels, served_models
 from platform_core.errors import ConfigError, InvalidRequestError
 from platform_core.models.packaged import DEFAULT_MODEL
 
@@ -90,8 +95,10 @@ def build_app(
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
+    models: ServedModels | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving ``engine`` under ``served_model_name``.
+    """A FastAPI app serving ``engine`` under ``served_model_name``, and its LoRA adapters
+    under theirs when ``models`` (``served_models``) has some.
 
     With ``api_key`` every route but ``/health``, ``/ping`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>``; ``guard_metrics`` guards ``/metrics`` too. A request
@@ -102,6 +109,11 @@ def build_app(
     """
     if api_key is not None and not api_key:
         raise ConfigError("the API key is empty; give a non-empty key, or none for no auth")
+    models = models or ServedModels(served_model_name)
+    if models.base_name != served_model_name:
+        raise ConfigError(
+            f"the served models are for {models.base_name!r}, not {served_model_name!r}"
+        )
     preparer = Preparer(
         engine.tokenizer, engine.vocab_size, engine.max_model_len, tokenizer_threads
     )
@@ -116,7 +128,7 @@ def build_app(
     )
     ctx = ServerContext(
         engine,
-        served_model_name,
+        models,
         ServerMetrics(engine, served_model_name),
         preparer,
         limits or RequestLimits(),
@@ -146,17 +158,25 @@ def build_app(
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
-            "id": served_model_name,
-            "object": "model",
-            "created": ctx.created,
-            "owned_by": "platform-core",
-            # Not the model's directory: that would tell any client the layout of the disk.
-            "root": served_model_name,
-            "max_model_len": engine.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+    async def list_models() -> dict:
+        return {"object": "list", "data": models.cards(ctx.created, engine.max_model_len)}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        """Serve the PEFT adapter at ``lora_path`` (a directory on the server's disk) as the
+        model ``lora_name``; it is checked now (400 with the reason if it cannot be served)."""
+        ctx.check_fields(body, "/v1/load_lora_adapter")
+        lora = await models.load(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        """Stop serving an adapter (404 if none has that name or id). Requests already
+        accepted with it finish normally (each carries its adapter to the engine); new
+        requests naming it get 404. Loading it again gives it a new id."""
+        ctx.check_fields(body, "/v1/unload_lora_adapter")
+        lora = models.unload(body.lora_name, body.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
@@ -304,20 +324,29 @@ def run_server(args: argparse.Namespace) -> int:
 
     api_key = api_key_from(args)  # before loading anything: a bad key fails fast
     config = engine_config_from_args(args)
-    name = args.served_model_name or default_model_name(config.model.model)
+    models = models_from_args(args, config)  # a bad adapter fails before the engine starts
     engine = start_engine(config, args.engine_mode)
-    return serve_engine(engine, args, name, api_key)
+    return serve_engine(engine, args, api_key, models)
+
+
+def models_from_args(args: argparse.Namespace, config: EngineConfig) -> ServedModels:
+    """The models ``serve`` serves: the base model as --served-model-name (default:
+    ``default_model_name``) and ``--lora-modules``, checked now (``ConfigError`` for a bad
+    one); with several API servers, no adapters are loaded or unloaded at run time."""
+    name = args.served_model_name or default_model_name(config.model.model)
+    return served_models(config, name, args.lora_modules, args.api_server_count == 1)
 
 
 def serve_engine(
     engine: SubmitFront,
     args: argparse.Namespace,
-    name: str,
     api_key: str | None,
+    models: ServedModels,
     sockets: list[socket.socket] | None = None,
 ) -> int:
-    """Serve ``engine`` with the ``serve`` flags in ``args`` (on ``sockets`` when given, else
-    binding --host/--port) until stopped; shut the engine down; the exit status."""
+    """Serve ``engine`` and ``models`` (``models_from_args``) with the ``serve`` flags in
+    ``args`` (on ``sockets`` when given, else binding --host/--port) until stopped; shut the
+    engine down; the exit status."""
     from platform_core.entrypoints.engine_args import engine_config_from_args
 
     server = None
@@ -325,7 +354,7 @@ def serve_engine(
         parsing = engine_config_from_args(args).structured_outputs
         app = build_app(
             engine,
-            name,
+            models.base_name,
             api_key=api_key,
             max_body_bytes=args.max_body_bytes,
             guard_metrics=args.guard_metrics,
@@ -346,6 +375,7 @@ def serve_engine(
             reasoning_parser=parsing.reasoning_parser,
             tool_call_parser=parsing.tool_call_parser,
             enable_auto_tool_choice=parsing.enable_auto_tool_choice,
+            models=models,
         )
         settings = ServerSettings(
             host=args.host,
@@ -359,7 +389,7 @@ def serve_engine(
         # uvicorn drains requests on SIGTERM, then raises the signal again: make that a
         # KeyboardInterrupt (as for SIGINT) so the engine below is stopped, not killed.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-        logger.info("serving %r on http://%s:%d", name, args.host, args.port)
+        logger.info("serving %r on http://%s:%d", models.base_name, args.host, args.port)
         server.run(sockets=sockets)
     except KeyboardInterrupt:
         pass

@@ -98,7 +98,7 @@ def run_worker(launch: WorkerLaunch) -> int:
     from platform_core.entrypoints.engine_args import engine_config_from_args
     from platform_core.entrypoints.openai.api_server import (
         api_key_from,
-        default_model_name,
+        models_from_args,
         serve_engine,
     )
     from platform_core.executor.lifetime import die_with_parent
@@ -110,6 +110,7 @@ def run_worker(launch: WorkerLaunch) -> int:
         format=f"%(levelname)s %(name)s [api server {os.getpid()}]: %(message)s",
     )
     config = engine_config_from_args(args)
+    models = models_from_args(args, config)
     tokenizer = load_model_tokenizer(config)
     replicas = []
     try:
@@ -124,8 +125,7 @@ def run_worker(launch: WorkerLaunch) -> int:
     routing = config.parallel.data_parallel_routing == "prefix"
     engine = replicas[0] if len(replicas) == 1 else DataParallelEngine(replicas, routing)
     listener = socket.socket(fileno=launch.listen_fd)
-    name = args.served_model_name or default_model_name(config.model.model)
-    return serve_engine(engine, args, name, api_key_from(args), sockets=[listener])
+    return serve_engine(engine, args, api_key_from(args), models, sockets=[listener])
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
 """Every error the server returns, in OpenAI's shape: ``{"error": {message, type, param, code}}``.
 
 Status codes: 400 invalid request (pydantic validation errors included, reshaped), 401 missing or
-wrong API key, 404 unknown model or route, 408 the request's own ``timeout`` passed (queueing
-included), 413 body too large, 503 engine not running, waiting queue full (with ``Retry-After``)
-or the server shutting down, 500 only for a bug (logged with its traceback). Messages never carry
-text that JSON cannot encode as UTF-8 (lone surrogates sent by a client are escaped).
+wrong API key, 404 unknown model, LoRA adapter or route, 408 the request's own ``timeout`` passed
+(queueing included), 413 body too large, 503 engine not running, waiting queue full (with
+``Retry-After``) or the server shutting down, 500 only for a bug (logged with its traceback).
+Messages never carry text that JSON cannot encode as UTF-8 (lone surrogates sent by a client are
+escaped).
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ class ModelNotFoundError(PlatformCoreError):
         # The served name is not repeated: by default it is the --model value, often a path on
         # disk; GET /v1/models tells an authorized client what it is.
         super().__init__(f"the model {model!r} does not exist; GET /v1/models lists the served one")
+
+
+class LoRANotFoundError(PlatformCoreError):
+    """An unload names a LoRA adapter the server does not serve."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"no LoRA adapter {what} is loaded; GET /v1/models lists them")
 
 
 class RequestTimeoutError(PlatformCoreError):
@@ -111,6 +119,8 @@ def _classify(exc: Exception) -> tuple[int, dict[str, Any]]:
         return 400, error_body(400, str(exc), exc.param)
     if isinstance(exc, ModelNotFoundError):
         return 404, error_body(404, str(exc), "model", "model_not_found")
+    if isinstance(exc, LoRANotFoundError):
+        return 404, error_body(404, str(exc), "lora_name", "lora_not_found")
     if isinstance(exc, EngineDeadError):
         return 503, error_body(503, str(exc), code="engine_unavailable")
     if isinstance(exc, RequestFailedError):

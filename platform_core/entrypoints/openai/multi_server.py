@@ -35,7 +35,11 @@ from platform_core.engine.core_auth import load_engine_secret
 from platform_core.engine.core_process import CoreAddresses
 from platform_core.engine.process_engine import ProcessEngine
 from platform_core.engine.registration import RegistrationServer, run_headless
-from platform_core.entrypoints.openai.api_server import ENGINE_DEATH_EXIT_STATUS, api_key_from
+from platform_core.entrypoints.openai.api_server import (
+    ENGINE_DEATH_EXIT_STATUS,
+    api_key_from,
+    models_from_args,
+)
 from platform_core.entrypoints.openai.api_worker import ApiWorkers, WorkerLaunch
 from platform_core.errors import ConfigError, EngineConnectionError, EngineDeadError
 
@@ -99,6 +103,8 @@ def run_supervised(args: argparse.Namespace) -> int:
             logger.error("%s; exiting", exc)
             return 1
         return 0
+    # Each API server reads --lora-modules again; a bad adapter fails here, before any starts.
+    models_from_args(args, config)
     size = config.parallel.data_parallel_size
     local = size if args.data_parallel_size_local is None else args.data_parallel_size_local
     if local > size:

@@ -470,6 +470,30 @@ class DetokenizeRequest(_Request):
     tokens: TokenIds
 
 
+NonEmptyText = Annotated[Text, StringConstraints(min_length=1)]
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter in ``lora_path`` as the
+    model ``lora_name``."""
+
+    lora_name: NonEmptyText
+    lora_path: NonEmptyText
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): the adapter by its name or its id."""
+
+    lora_name: NonEmptyText | None = None
+    lora_int_id: Int64 | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> UnloadLoRAAdapterRequest:
+        if self.lora_name is None and self.lora_int_id is None:
+            raise ValueError("give lora_name or lora_int_id")
+        return self
+
+
 # ---------------------------------------------------------------------------------- responses
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0

@@ -21,10 +21,7 @@ from platform_core.engine.llm_engine import DEADLINE_EXCEEDED
 from platform_core.engine.outputs import RequestOutput
 from platform_core.engine.request_stream import GenerateRequest, RequestStream, SubmitFront
 from platform_core.entrypoints.openai.deadline import Drain, RequestClock
-from platform_core.entrypoints.openai.errors import (
-    ModelNotFoundError,
-    RequestTimeoutError,
-)
+from platform_core.entrypoints.openai.errors import RequestTimeoutError
 from platform_core.entrypoints.openai.limits import RequestLimits
 from platform_core.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from platform_core.entrypoints.openai.prepare import Preparer
@@ -33,7 +30,9 @@ from platform_core.entrypoints.openai.protocol import (
     UsageInfo,
     ignored_fields,
 )
+from platform_core.entrypoints.openai.serving_models import ServedModels
 from platform_core.errors import InvalidRequestError, RequestFailedError
+from platform_core.lora_request import LoRARequest
 from platform_core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 logger = logging.getLogger("platform_core.server")
@@ -71,11 +70,12 @@ class Prompt:
 
 @dataclass
 class ServerContext:
-    """State every route shares: the engine, the served model's name, the metrics, the
-    tokenizing threads, the request limits, the protocol options and the shutdown deadline."""
+    """State every route shares: the engine, the served models (base and LoRA adapters), the
+    metrics, the tokenizing threads, the request limits, the protocol options and the shutdown
+    deadline."""
 
     engine: SubmitFront
-    model_name: str
+    models: ServedModels
     metrics: ServerMetrics
     preparer: Preparer
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -88,6 +88,7 @@ class ServerContext:
         response_type: type[BaseModel],
         response_id: str,
         created: int,
+        model: str,
         choices: list[Any],
         usage_info: UsageInfo,
         **fields: Any,
@@ -97,7 +98,7 @@ class ServerContext:
         body = response_type(
             id=response_id,
             created=created,
-            model=self.model_name,
+            model=model,
             choices=choices,
             usage=usage_info,
             **fields,
@@ -171,10 +172,14 @@ class ServerContext:
             name,
         )
 
-    def check_model(self, model: str | None) -> None:
-        """An absent model means the served one; any other name is a 404."""
-        if model is not None and model != self.model_name:
-            raise ModelNotFoundError(model)
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names; ``None`` for the base model (also when absent); a
+        name served neither way is a 404."""
+        return self.models.resolve(model)
+
+    def response_model(self, lora: LoRARequest | None) -> str:
+        """The ``model`` a response reports: the adapter's name, else the base model's."""
+        return self.models.base_name if lora is None else lora.lora_name
 
     def check_limits(self, body: SamplingRequest, num_prompts: int) -> None:
         """Refuse a request over ``self.limits`` (400 naming the field and the bound) before
@@ -207,8 +212,10 @@ class ServerContext:
         prompts: list[Prompt],
         params: SamplingParams,
         clock: RequestClock,
+        lora: LoRARequest | None = None,
     ) -> RequestStream:
-        """Send every prompt to the engine as one group; ``request_id-i`` is prompt ``i``.
+        """Send every prompt to the engine as one group, run with the adapter ``lora`` if
+        given; ``request_id-i`` is prompt ``i``.
 
         The wait for acceptance runs under ``clock``; its deadline also reaches the engine,
         which aborts the requests wherever they are.
@@ -224,7 +231,7 @@ class ServerContext:
                 )
         now, deadline = time.time(), clock.deadline
         requests = [
-            GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now, deadline)
+            GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now, deadline, lora)
             for i, p in enumerate(prompts)
         ]
         # A client that stops reading is aborted once every choice lags by the per-choice limit.

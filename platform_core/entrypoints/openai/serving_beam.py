@@ -19,6 +19,7 @@ from platform_core.entrypoints.openai.deadline import RequestClock
 from platform_core.entrypoints.openai.protocol import SamplingRequest
 from platform_core.entrypoints.openai.serving_base import Prompt, ServerContext
 from platform_core.errors import InvalidRequestError
+from platform_core.lora_request import LoRARequest
 from platform_core.sampling_params import SamplingParams
 
 
@@ -36,6 +37,7 @@ class BeamSearchStream:
         prompts: list[Prompt],
         search: BeamSearch,
         clock: RequestClock,
+        lora: LoRARequest | None,
     ) -> None:
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self._ctx = ctx
@@ -43,6 +45,7 @@ class BeamSearchStream:
         self._prompts = prompts
         self._search = search
         self._clock = clock
+        self._lora = lora
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs()
@@ -53,7 +56,11 @@ class BeamSearchStream:
             round_no += 1
             beams = [Prompt(None, tokens) for tokens in search.pending()]
             stream = await self._ctx.submit(
-                f"{self._request_id}-round{round_no}", beams, search.step_params, self._clock
+                f"{self._request_id}-round{round_no}",
+                beams,
+                search.step_params,
+                self._clock,
+                self._lora,
             )
             outputs = await _finals(stream)
             failed = next((o for o in outputs if o.error is not None), None)
@@ -84,10 +91,12 @@ async def submit_or_search(
     prompts: list[Prompt],
     params: SamplingParams,
     clock: RequestClock,
+    lora: LoRARequest | None,
 ) -> RequestStream | BeamSearchStream:
-    """``ctx.submit``, or with ``body.use_beam_search`` a beam search of ``params.n`` beams."""
+    """``ctx.submit``, or with ``body.use_beam_search`` a beam search of ``params.n`` beams;
+    either runs with the adapter ``lora`` if given."""
     if not body.use_beam_search:
-        return await ctx.submit(request_id, prompts, params, clock)
+        return await ctx.submit(request_id, prompts, params, clock, lora)
     if body.stream:
         raise InvalidRequestError("streaming is not supported with beam search", "stream")
     try:
@@ -102,4 +111,4 @@ async def submit_or_search(
         if exc.param == "beam_width":
             exc.param = "n"
         raise
-    return BeamSearchStream(ctx, request_id, prompts, search, clock)
+    return BeamSearchStream(ctx, request_id, prompts, search, clock, lora)

@@ -130,7 +130,7 @@ class ChatServing:
         created = int(time.time())
         clock = ctx.drain.clock(body.deadline())
         ignored = ctx.check_request(body, "chat/completions")
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         ctx.check_limits(body, 1)
         if body.chat_template is not None and not ctx.options.trust_request_chat_template:
             raise InvalidRequestError(
@@ -168,10 +168,12 @@ class ChatServing:
             **({} if reply.constraint is None else {"structured_outputs": reply.constraint}),
         )
         response_id = new_id("chatcmpl")
-        stream = await submit_or_search(ctx, body, response_id, [Prompt(None, ids)], params, clock)
+        prompts = [Prompt(None, ids)]
+        stream = await submit_or_search(ctx, body, response_id, prompts, params, clock, lora)
+        model = ctx.response_model(lora)
         echo = _echo_text(body)
         if body.stream:
-            chunks = self._chunks(response_id, created, body, echo, reply, stream, clock)
+            chunks = self._chunks(response_id, created, model, body, echo, reply, stream, clock)
             return with_ignored_header(event_stream(chunks), ignored)
         finals = await ctx.final_outputs(stream, request, clock)
         if finals is None:
@@ -200,6 +202,7 @@ class ChatServing:
             ChatCompletionResponse,
             response_id,
             created,
+            model,
             choices,
             usage(finals),
             prompt_token_ids=final.prompt_token_ids if body.return_token_ids else None,
@@ -213,6 +216,7 @@ class ChatServing:
         self,
         response_id: str,
         created: int,
+        model: str,
         body: ChatCompletionRequest,
         echo: str,
         reply: ReplyFormat,
@@ -252,7 +256,7 @@ class ChatServing:
                 yield ChatCompletionChunk(
                     id=response_id,
                     created=created,
-                    model=ctx.model_name,
+                    model=model,
                     choices=[choice],
                     usage=usage([output]) if continuous else None,
                     prompt_token_ids=output.prompt_token_ids if first_ids else None,
@@ -261,7 +265,7 @@ class ChatServing:
             yield ChatCompletionChunk(
                 id=response_id,
                 created=created,
-                model=ctx.model_name,
+                model=model,
                 choices=[],
                 usage=usage([final]),
             )

@@ -85,7 +85,7 @@ class CompletionServing:
         created = int(time.time())
         clock = ctx.drain.clock(body.deadline())
         ignored = ctx.check_request(body, "completions")
-        ctx.check_model(body.model)
+        lora = ctx.check_model(body.model)
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidRequestError("best_of must be omitted or equal to n", "best_of")
         if body.suffix:
@@ -123,9 +123,10 @@ class CompletionServing:
             body.stream_options is not None and body.stream_options.continuous_usage_stats,
         )
         response_id = new_id("cmpl")
-        stream = await submit_or_search(ctx, body, response_id, prompts, params, clock)
+        stream = await submit_or_search(ctx, body, response_id, prompts, params, clock, lora)
+        model = ctx.response_model(lora)
         if body.stream:
-            chunks = self._chunks(response_id, created, body, plan, stream, clock)
+            chunks = self._chunks(response_id, created, model, body, plan, stream, clock)
             return with_ignored_header(event_stream(chunks), ignored)
         finals = await ctx.final_outputs(stream, request, clock)
         if finals is None:
@@ -163,6 +164,7 @@ class CompletionServing:
             CompletionResponse,
             response_id,
             created,
+            model,
             choices,
             usage(finals, count_completions=not echo_only),
         )
@@ -172,6 +174,7 @@ class CompletionServing:
         self,
         response_id: str,
         created: int,
+        model: str,
         body: CompletionRequest,
         plan: _Plan,
         stream: RequestStream,
@@ -214,7 +217,7 @@ class CompletionServing:
                 yield CompletionResponse(
                     id=response_id,
                     created=created,
-                    model=ctx.model_name,
+                    model=model,
                     choices=[choice],
                     usage=usage([output], count) if plan.continuous_usage else None,
                 )
@@ -222,7 +225,7 @@ class CompletionServing:
             yield CompletionResponse(
                 id=response_id,
                 created=created,
-                model=ctx.model_name,
+                model=model,
                 choices=[],
                 usage=usage(list(finals.values()), count),
             )

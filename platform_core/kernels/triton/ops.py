@@ -59,10 +59,13 @@ class TritonAttentionOps(AttentionOps):
 
 def triton_op_overrides() -> dict[str, Callable[..., Any]]:
     """The layer ops the shared Triton kernels provide (for ``Backend.op_overrides``)."""
+    from platform_core.kernels.triton.lora import triton_lora_expand, triton_lora_shrink
     from platform_core.kernels.triton.quantized_linear import quantized_linear_op
     from platform_core.kernels.triton.token_bitmask import triton_apply_token_bitmask
 
     return {
         "quantized_linear": quantized_linear_op,
         "apply_token_bitmask": triton_apply_token_bitmask,
+        "lora_shrink": triton_lora_shrink,
+        "lora_expand": triton_lora_expand,
     }
