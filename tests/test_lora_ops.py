@@ -317,3 +317,17 @@ def test_a_long_segment_expands_in_the_outputs_dtype_within_its_rounding(dtype):
     out_got = expanded(ops.expand, case, want).float()
     bound = 1e-6 if dtype == torch.float32 else 5e-3
     assert (out_got - out_want).norm() / out_want.norm() < bound
+
+
+def test_balanced_but_long_groups_run_one_by_one():
+    lora_ops = pytest.importorskip("platform_core_cpu.lora_ops")
+    rows = lora_ops.MAX_BATCHED_ROWS
+    ops = lora_ops.CpuLoRAOps()
+    short = ops.groups(mapping_of([0, 1] * rows), torch.device("cpu"))
+    long = ops.groups(mapping_of([0] * (rows + 1) + [1] * (rows + 1)), torch.device("cpu"))
+    assert short.padded is not None  # two interleaved groups of MAX_BATCHED_ROWS: batched
+    assert long.padded is None  # equal, so balanced, but longer: each group its own GEMMs
+    assert [group.rows for group in long.groups] == [
+        slice(0, rows + 1),
+        slice(rows + 1, 2 * rows + 2),
+    ]

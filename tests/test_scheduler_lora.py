@@ -68,3 +68,17 @@ def test_forks_and_preempted_requests_keep_their_adapter():
             seen.add(item.request_id)
     assert {"p", "p#1", "other"} <= seen
     assert s.stats.num_preemptions > 0
+
+
+def test_at_most_max_num_seqs_requests_are_passed_over_in_a_step():
+    s = make_scheduler(max_num_seqs=4, max_loras=1)
+    s.add_request(adapter_request("a", "A", max_tokens=8))
+    run_step(s)  # A runs
+    blocked = [f"c{i}" for i in range(5)]
+    for i, request_id in enumerate(blocked):
+        s.add_request(adapter_request(request_id, "C", prompt_start=10 * (i + 1)))
+    s.add_request(adapter_request("base", None, prompt_start=90))
+    out, _ = run_step(s)
+    # Four Cs passed over reach the bound (max_num_seqs): the pass stops, the base request waits.
+    assert [r.request_id for r in out.scheduled] == ["a"]
+    assert [r.request_id for r in s.waiting] == [*blocked, "base"]

@@ -315,7 +315,12 @@ class _AdapterRoom:
 
     def __init__(self, max_loras: int | None, running: list[Request], max_passed_over: int):
         self.max_loras = max_loras
-        self.running = {r.lora_request.lora_int_id for r in running if r.lora_request}
+        # Without a limit nothing is counted: the pass over the running list costs every step.
+        self.running: set[int] = (
+            set()
+            if max_loras is None
+            else {r.lora_request.lora_int_id for r in running if r.lora_request}
+        )
         self.passed_over: list[Request] = []
         self._max_passed_over = max_passed_over
 
