@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from platform_core.attention.metadata import AttentionMetadata
     from platform_core.attention.reference import (
         ReferenceAttentionOps,
+        reference_export_blocks,
+        reference_import_blocks,
         reference_kv_cache_shape,
         reference_paged_attention,
         reference_write_kv,
@@ -132,6 +134,8 @@ __all__ = [  # noqa: RUF022 - grouped by topic, not sorted
     "reference_kv_cache_shape",
     "reference_paged_attention",
     "reference_write_kv",
+    "reference_export_blocks",
+    "reference_import_blocks",
     # overridable ops: the table, the defaults and their signatures
     "OVERRIDABLE_OPS",
     "LayerOps",
@@ -197,6 +201,8 @@ _LAZY = {
     "reference_kv_cache_shape": "platform_core.attention.reference",
     "reference_paged_attention": "platform_core.attention.reference",
     "reference_write_kv": "platform_core.attention.reference",
+    "reference_export_blocks": "platform_core.attention.reference",
+    "reference_import_blocks": "platform_core.attention.reference",
     "OVERRIDABLE_OPS": "platform_core.layers.ops",
     "LayerOps": "platform_core.layers.ops",
     "resolve_ops": "platform_core.layers.ops",

@@ -8,6 +8,7 @@ section, and rejects an unknown key with a message that names it and lists the v
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,86 @@ class LoRAConfig:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    """A KV connector: this instance hands prompts' KV blocks to others or takes them (P/D
+    disaggregation). Key names follow vLLM's ``--kv-transfer-config``.
+
+    ``kv_connector`` names a connector plugin (``platform-core kv-connectors`` lists them);
+    ``kv_role``: ``kv_producer`` (a prefill instance: holds finished prompts' blocks for a
+    peer), ``kv_consumer`` (a decode instance: loads them), ``kv_both``. ``kv_ip``/``kv_port``
+    is where a producer's connector listens for peers (its data side); peers learn it through
+    the ``kv_transfer_params`` of each prefill's response (the control side), where
+    ``kv_connector_extra_config["advertise_host"]`` may replace ``kv_ip`` (a listener on
+    ``0.0.0.0``). ``engine_id`` names this instance to peers (default: a random id).
+    ``kv_hold_timeout_s``: how long a producer keeps a finished prompt's blocks for a consumer
+    that never comes.
+    """
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: str | None = None
+    kv_hold_timeout_s: float = 120.0
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.kv_connector:
+            raise ConfigError("kv_transfer_config needs kv_connector (a connector's name)")
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if not 0 <= self.kv_port < 65536:
+            raise ConfigError(f"kv_port must be in [0, 65536), got {self.kv_port}")
+        if self.kv_hold_timeout_s <= 0:
+            raise ConfigError(f"kv_hold_timeout_s must be > 0, got {self.kv_hold_timeout_s}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ConfigError("kv_connector_extra_config must be a mapping")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: KVTransferConfig | dict[str, Any] | str) -> KVTransferConfig:
+        """From a mapping or its JSON text; unknown keys raise ``ConfigError`` naming them."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"kv_transfer_config is not valid JSON: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ConfigError(f"kv_transfer_config must be a mapping, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_transfer_config key(s) {unknown}; valid keys: {sorted(known)}"
+            )
+        return cls(**value)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferSection:
+    """The KV connector, if any (``kv_transfer_config``: a mapping or its JSON text)."""
+
+    kv_transfer_config: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_config is not None:
+            parsed = KVTransferConfig.parse(self.kv_transfer_config)
+            object.__setattr__(self, "kv_transfer_config", parsed)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """All sections together, plus the backend choice."""
@@ -288,7 +369,28 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
     backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer.kv_transfer_config is not None:
+            self._check_kv_connector()
+
+    def _check_kv_connector(self) -> None:
+        if self.parallel.tensor_parallel_size > 1:
+            raise ConfigError(
+                "a KV connector runs with tensor_parallel_size 1 only (each rank would move its "
+                "own shard; not supported yet)"
+            )
+        if self.parallel.data_parallel_size > 1:
+            raise ConfigError(
+                "a KV connector runs with data_parallel_size 1: start one instance per replica "
+                "and list them all behind `platform-core proxy --prefill ... --decode ...`"
+            )
+        if self.speculative.speculative_method == "draft":
+            raise ConfigError(
+                "a KV connector cannot run with a draft model: the draft's KV cache is not moved"
+            )
 
     @classmethod
     def from_flat(cls, **kwargs: Any) -> EngineConfig:
@@ -325,6 +427,7 @@ _SECTIONS = {
     "speculative": SpeculativeConfig,
     "structured_outputs": StructuredOutputsConfig,
     "lora": LoRAConfig,
+    "kv_transfer": KVTransferSection,
 }
 _KEY_TO_SECTION = {f.name: name for name, cls in _SECTIONS.items() for f in fields(cls)}
 

@@ -85,10 +85,18 @@ def live_server(
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if send_buffer_bytes is not None:  # accepted sockets inherit it from the listening one
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    settings = settings or ServerSettings(log_level="warning", exit_on_engine_death=False)
+    with serving_in_thread(make_server(app, settings), sock) as url:
+        yield url
+
+
+@contextmanager
+def serving_in_thread(server: Any, sock: socket.socket | None = None) -> Iterator[str]:
+    """Run the uvicorn ``server`` in a background thread on ``sock`` (default: a new one),
+    bound here to a free 127.0.0.1 port; yield the base URL, then stop it and check it did."""
+    sock = sock or socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    settings = settings or ServerSettings(log_level="warning", exit_on_engine_death=False)
-    server = make_server(app, settings)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

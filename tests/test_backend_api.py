@@ -50,8 +50,8 @@ def test_importing_the_backend_api_imports_no_torch_triton_or_yaml():
 
 
 def core_imports_outside_the_api(source: str) -> list[str]:
-    """The ``platform_core`` imports of ``source`` that are neither the backend API nor
-    ``LLM``/``SamplingParams`` from the top-level package."""
+    """The ``platform_core`` imports of ``source`` that are neither the backend API, the KV
+    connector API nor ``LLM``/``SamplingParams`` from the top-level package."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
@@ -67,7 +67,7 @@ def core_imports_outside_the_api(source: str) -> list[str]:
             m
             for m in modules
             if (m == "platform_core" or m.startswith("platform_core."))
-            and m != "platform_core.backend_api"
+            and m not in ("platform_core.backend_api", "platform_core.kv_connector_api")
         ]
     return found
 
@@ -76,10 +76,16 @@ def test_the_layering_check_sees_deep_and_top_level_imports():
     source = (
         "import platform_core.config\nfrom platform_core.errors import BackendError\n"
         "from platform_core import LLM, bench\nfrom platform_core.backend_api import Backend\n"
-        "import platform_core_cpu.plugin\n"
+        "from platform_core.kv_connector_api import PullWorker\n"
+        "import platform_core.kv_transfer.pull_worker\nimport platform_core_cpu.plugin\n"
     )
     found = sorted(core_imports_outside_the_api(source))
-    assert found == ["bench", "platform_core.config", "platform_core.errors"]
+    assert found == [
+        "bench",
+        "platform_core.config",
+        "platform_core.errors",
+        "platform_core.kv_transfer.pull_worker",
+    ]
 
 
 def test_backends_and_the_conformance_suite_import_only_the_backend_api():

@@ -28,15 +28,26 @@ from conformance_backends import (
 from platform_core_conformance import run_conformance
 from platform_core_conformance.op_checks import lora_mapping
 
-from platform_core.backend_api import LoRAMapping, apply_token_bitmask, lora_expand, lora_shrink
+from platform_core.backend_api import (
+    LoRAMapping,
+    ReferenceAttentionOps,
+    apply_token_bitmask,
+    lora_expand,
+    lora_shrink,
+)
 
 # What in-process backends can run (the engine loads installed backends only).
-UNIT_CHECKS = "test_kernels or test_ops or test_registration"
+UNIT_CHECKS = "test_kernels or test_kv_blocks or test_ops or test_registration"
 OPS = "test_ops or test_registration"
 OP_CHECK, QUANTIZED = "test_op_override_matches_the_core_default", "quantized_linear"
 WITH_FP16 = dataclasses.replace(CAPABILITIES, dtypes=("float32", "float16"))
 BITMASK = "apply_token_bitmask"
 SHRINK, EXPAND = "lora_shrink", "lora_expand"
+KV_EXPORT, KV_ROUND_TRIP = (
+    "test_kv_block_export_after_write_kv",
+    "test_kv_block_import_export_round_trip",
+)
+KV_ATTENTION = "test_kv_block_import_then_attention"
 
 
 def token_bitmask_without_tail(
@@ -67,6 +78,23 @@ def lora_expand_wrapping_slot_minus_1(
     slots[slots < 0] = mapping.max_slots - 1
     wrapped = lora_mapping(tuple(slots.tolist()), mapping.max_slots)
     lora_expand(out, buffer, lora_b, slice_sizes, wrapped)
+
+
+class ExportSwappingTokens(ReferenceAttentionOps):
+    """Exports tokens 0 and 1 of every block in each other's place (a wrong token stride)."""
+
+    def export_blocks(self, kv_cache, block_ids, *, block_size, head_size):
+        blocks = super().export_blocks(
+            kv_cache, block_ids, block_size=block_size, head_size=head_size
+        )
+        return blocks[:, :, [1, 0, *range(2, block_size)]]
+
+
+class ImportSwappingKV(ReferenceAttentionOps):
+    """Imports keys as values and values as keys."""
+
+    def import_blocks(self, kv_cache, block_ids, blocks):
+        super().import_blocks(kv_cache, block_ids, blocks.flip(0))
 
 
 def _checks(plugin: FixturePlugin, keyword: str, tmp_path: Path) -> tuple[int, dict[str, Any]]:
@@ -193,6 +221,25 @@ CATALOGUE: dict[str, tuple[FixturePlugin, str, dict[str, str], list[str]]] = {
             f"{OP_CHECK}[bfloat16-{EXPAND}-base-only-t6-n40+24-r8]": "override 'lora_expand'",
         },
         [f"{OP_CHECK}[float32-{EXPAND}-one-token-t1-n64+16+33-r8]"],
+    ),
+    "kv-export-swapping-tokens": (
+        FixturePlugin("kv-export-swapping-tokens", ExportSwappingTokens),
+        "test_kv_blocks",
+        {
+            f"{KV_EXPORT}[float32-h32-b16]": "export_blocks after write_kv: ",
+            f"{KV_EXPORT}[bfloat16-h32-b16]": ", token 0, kv head",
+            f"{KV_ROUND_TRIP}[float32-h32-b16]": "export_blocks after import_blocks",
+        },
+        [f"{KV_ATTENTION}[float32-gqa4-kv2]", "test_kv_block_empty_list[bfloat16]"],
+    ),
+    "kv-import-swapping-kv": (
+        FixturePlugin("kv-import-swapping-kv", ImportSwappingKV),
+        "test_kv_blocks",
+        {
+            f"{KV_ROUND_TRIP}[bfloat16-h32-b16]": "the first in the keys of block 4",
+            f"{KV_ATTENTION}[float32-gqa2-kv4]": "imported blocks vs reference",
+        },
+        [f"{KV_EXPORT}[float32-h32-b16]"],
     ),
     "misspelt-override": (
         FixturePlugin("misspelt-override", overrides={"rmsnorm": DEFAULT_OPS["rms_norm"]}),

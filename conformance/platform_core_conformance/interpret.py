@@ -4,8 +4,8 @@ A GPU backend builds ``TritonAttentionOps`` with launch settings derived from it
 count. Here the device is faked: the settings come from the backend's own ``*_launch_params``
 function for a stated unit count, the tensors live on the host and Triton's interpreter runs the
 kernels, so every commit certifies them in CPU CI. Only the checks that need no device of the
-backend's type run (registration, kernels, ops); on a real GPU, ``platform-core conformance
---backend cuda`` runs the whole suite unchanged.
+backend's type run (registration, kernels, KV blocks, ops); on a real GPU, ``platform-core
+conformance --backend cuda`` runs the whole suite unchanged.
 
 Run ``TRITON_INTERPRET=1 python -m platform_core_conformance.interpret cuda --report r.json``.
 """
@@ -32,7 +32,7 @@ from platform_core.backend_api import (
 )
 from platform_core_conformance.runner import run_conformance
 
-DEVICE_FREE_CHECKS = "test_registration or test_kernels or test_ops"
+DEVICE_FREE_CHECKS = "test_registration or test_kernels or test_kv_blocks or test_ops"
 SUFFIX = "-interpreted"
 
 

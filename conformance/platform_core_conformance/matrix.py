@@ -2,8 +2,8 @@
 page, one row per backend and dtype, so a vendor publishes what passed.
 
 A cell is ``pass`` when every check of that row and column passed, ``FAIL`` when one failed or
-errored, ``skip`` when all were skipped and ``-`` when none ran. Columns: the kernel and op
-checks, each declared head size and block size, and each end-to-end feature.
+errored, ``skip`` when all were skipped and ``-`` when none ran. Columns: the kernel, op and KV
+block checks, each declared head size and block size, and each end-to-end feature.
 
 Run ``python -m platform_core_conformance.matrix a.json b.json --markdown m.md --html m.html``.
 """
@@ -86,6 +86,7 @@ def rows_of(report: dict[str, Any]) -> list[Row]:
         mine = [c for c in checks if dtype in c.params]
         kernels = _outcomes(mine, "test_paged_attention") + _outcomes(mine, "test_gqa")
         cells = {"kernels": cell(kernels), "ops": cell(_outcomes(mine, "test_op_override"))}
+        cells["kv blocks"] = cell(_outcomes(mine, "test_kv_block"))
         for h in caps.get("head_sizes", []):
             cells[f"h{h}"] = cell(_outcomes(mine, "test_every_head_size", f"h{h}"))
         for b in caps.get("block_sizes", []):

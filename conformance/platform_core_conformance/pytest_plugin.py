@@ -29,6 +29,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the platform-core conformance suite against the backend NAME",
     )
     group.addoption(
+        "--kv-connector",
+        default=None,
+        metavar="NAME",
+        help="the KV connector the connector section moves blocks with (default: loopback)",
+    )
+    group.addoption(
+        "--kv-connector-config",
+        default=None,
+        metavar="JSON",
+        help="extra kv_transfer_config keys for the connector section's connector",
+    )
+    group.addoption(
         "--conformance-report",
         default=None,
         metavar="PATH",

@@ -35,6 +35,20 @@ def reference_write_kv(
     kv_cache[1, blocks, offsets] = value[valid].to(kv_cache.dtype)
 
 
+def reference_export_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` of a canonical cache as a new tensor ``[2, n, block_size,
+    num_kv_heads, head_size]``: the canonical layout KV connectors move blocks in."""
+    return kv_cache[:, block_ids.long()]
+
+
+def reference_import_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor
+) -> None:
+    """Write canonical ``blocks`` ``[2, n, block_size, num_kv_heads, head_size]`` into a
+    canonical cache at ``block_ids``, converted to its dtype and device."""
+    kv_cache[:, block_ids.long()] = blocks.to(kv_cache.device, kv_cache.dtype)
+
+
 def gather_sequence_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

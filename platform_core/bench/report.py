@@ -10,9 +10,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """Which of :data:`CPU_FLAGS` ``/proc/cpuinfo`` lists (empty where it does not exist)."""
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return [flag for flag in CPU_FLAGS if flag in words]
+
 
 def machine_info() -> dict[str, Any]:
-    """CPU count, torch threads, load average and versions: context for every number."""
+    """CPU count and flags, torch threads, load average and versions: context for every
+    number."""
     import torch
 
     try:
@@ -22,6 +34,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
+        "cpu_flags": cpu_flags(),
         "torch_threads": torch.get_num_threads(),
         "load_average_1_5_15": load,
         "machine": platform.machine(),

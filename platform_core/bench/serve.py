@@ -43,6 +43,11 @@ class ServeConfig:
     def url(self) -> str:
         return self.base_url.rstrip("/") + "/" + self.endpoint.lstrip("/")
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The bearer token, when there is an API key."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
 
 def arrival_offsets(num: int, rate: float, seed: int = 0) -> list[float]:
     """Send times (seconds from start) of a Poisson process of ``rate``; all 0 when infinite."""
@@ -85,7 +90,6 @@ async def send_request(
     client: httpx.AsyncClient, config: ServeConfig, request: BenchRequest
 ) -> RequestRecord:
     """Send one request and time its stream; failures become records with an error."""
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     start = time.perf_counter()
     ttft: float | None = None
     last = start
@@ -94,7 +98,7 @@ async def send_request(
     usage: dict[str, Any] | None = None
     try:
         async with client.stream(
-            "POST", config.url, json=build_payload(config, request), headers=headers
+            "POST", config.url, json=build_payload(config, request), headers=config.headers
         ) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")

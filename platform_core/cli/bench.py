@@ -89,7 +89,9 @@ def cmd_latency(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Load a running server and print throughput, TTFT/TPOT/ITL/E2E and goodput."""
+    """Load a running server and print throughput, TTFT/TPOT/ITL/E2E, goodput and what the
+    servers' KV connectors moved meanwhile."""
+    from platform_core.bench.kv_metrics import KVTransferWatch
     from platform_core.bench.metrics import parse_goodput, serve_metrics
     from platform_core.bench.serve import ServeConfig, run_serve
 
@@ -116,7 +118,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         timeout_s=args.timeout,
     )
+    kv_watch = KVTransferWatch(args.kv_metrics_url or [args.base_url], config.headers)
     records, duration = asyncio.run(run_serve(config, requests))
+    kv_deltas = kv_watch.deltas()
     metrics = serve_metrics(records, duration, args.percentiles, slo)
     rows: list[tuple[str, Any]] = [
         ("Successful requests", metrics["completed"]),
@@ -138,8 +142,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ):
         rows += stat_rows(name, metrics[key], "ms")
     print_rows("Serving benchmark", rows)
+    for url, delta in kv_deltas.items():
+        if delta is not None:
+            print_rows(f"KV transfer ({url})", delta.rows())
+        elif args.kv_metrics_url:
+            print(f"no KV-transfer metrics at {url}/metrics")
     for error in metrics["errors"]:
         print(f"error: {error}")
+    if any(kv_deltas.values()):
+        metrics["kv_transfer"] = {u: d.to_dict() for u, d in kv_deltas.items() if d is not None}
     if args.save_result:
         save_result(args.save_result, "serve", _settings(args), metrics)
     return 0 if metrics["completed"] else 1
@@ -203,6 +214,14 @@ def add_bench_parser(subparsers: Any) -> None:
     serve.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    serve.add_argument(
+        "--kv-metrics-url",
+        nargs="+",
+        metavar="URL",
+        help="servers whose KV-transfer metrics (/metrics) are reported as differences over the "
+        "run, e.g. the prefill and decode instances behind a proxy (default: --base-url; "
+        "nothing is reported for a server without a KV connector)",
+    )
     add_workload_args(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -19,7 +19,22 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_conformance(args.backend, report=args.report, junit=args.junit, keyword=args.keyword)
+    backend, keyword, extra = args.backend, args.keyword, []
+    if args.kv_connector is not None:
+        extra = ["--kv-connector", args.kv_connector]
+        if args.kv_connector_config:
+            extra += ["--kv-connector-config", args.kv_connector_config]
+        if backend is None:  # the connector section alone, with the best backend as one peer
+            from platform_core.plugins.manager import PluginManager
+
+            backend = PluginManager().choose("auto").name
+            keyword = f"kv_connector and ({keyword})" if keyword else "kv_connector"
+    if backend is None:
+        print("error: --backend NAME is required (or --kv-connector NAME)", file=sys.stderr)
+        return 2
+    return run_conformance(
+        backend, report=args.report, junit=args.junit, keyword=keyword, pytest_args=extra
+    )
 
 
 def add_conformance_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,7 +45,18 @@ def add_conformance_parser(subparsers: argparse._SubParsersAction) -> argparse.A
         description="Run the platform-core conformance suite (pytest) against one backend. "
         "Exit status 0 means every selected check passed.",
     )
-    parser.add_argument("--backend", required=True, help="registered name of the backend")
+    parser.add_argument("--backend", help="registered name of the backend")
+    parser.add_argument(
+        "--kv-connector",
+        metavar="NAME",
+        help="the KV connector to certify: its section moves blocks between every installed "
+        "backend (alone: only that section runs, with the best available backend)",
+    )
+    parser.add_argument(
+        "--kv-connector-config",
+        metavar="JSON",
+        help="extra kv_transfer_config keys for that connector, e.g. its extra config",
+    )
     parser.add_argument("--report", metavar="PATH", help="write the JSON report to PATH")
     parser.add_argument("--junit", metavar="PATH", help="write the JUnit XML report to PATH")
     parser.add_argument(

@@ -10,6 +10,7 @@ from platform_core.cli.bench import add_bench_parser
 from platform_core.cli.chat import add_chat_parser
 from platform_core.cli.conformance import add_conformance_parser
 from platform_core.cli.generate import add_generate_parser
+from platform_core.cli.proxy import add_proxy_parser
 from platform_core.cli.serve import add_serve_parser
 from platform_core.errors import PlatformCoreError
 
@@ -53,6 +54,19 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_kv_connectors(args: argparse.Namespace) -> int:
+    from platform_core.kv_transfer.registry import KVConnectorRegistry
+    from platform_core.plugins.hookspecs import format_api_version
+
+    registry = KVConnectorRegistry()
+    for info, _ in registry.infos():
+        api = format_api_version(info.api_version)
+        print(f"{info.name}  {info.package} {info.version}  api {api}  {info.description}")
+    for name, reason in registry.broken.items():
+        print(f"{name}: unusable: {reason}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(prog="platform-core", description=__doc__)
@@ -64,11 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_conformance_parser(commands)
     add_serve_parser(commands)
     add_bench_parser(commands)
+    add_proxy_parser(commands)
 
     backends = commands.add_parser(
         "backends", help="list installed backends and why each is usable"
     )
     backends.set_defaults(func=_cmd_backends)
+    connectors = commands.add_parser(
+        "kv-connectors", help="list installed KV connectors (for --kv-transfer-config)"
+    )
+    connectors.set_defaults(func=_cmd_kv_connectors)
     return parser
 
 

@@ -23,6 +23,9 @@ from platform_core.engine.request_stream import GenerateRequest, StreamSink
 from platform_core.errors import EngineDeadError
 
 IDLE_HEALTH_CHECK_S = 1.0  # a check is a few ``is_alive`` calls
+# With only KV transfers pending (blocks held for peers), how long to wait for a command
+# before the next step polls them.
+KV_TRANSFER_WAIT_S = 0.01
 
 # The result that tells a submission's owner its requests were all added (``StreamSink.land``
 # understands it).
@@ -78,15 +81,22 @@ class EngineCore(Generic[Owner]):
     def run(self, receive: Receive) -> StopCore:
         """Serve commands from ``receive`` until one says stop; return it. An exception (the
         engine failed) propagates: the caller fails what is left (``owners``)."""
+        engine = self.engine
         while True:
-            idle = not self.engine.has_unfinished_requests()
-            commands = self._wait(receive) if idle else receive(0.0)
+            busy = engine.has_unfinished_requests()
+            transfers = not busy and engine.has_pending_kv_transfers()
+            if transfers:  # steps poll the transfers; commands may arrive meanwhile
+                commands = receive(KV_TRANSFER_WAIT_S)
+            else:
+                commands = receive(0.0) if busy else self._wait(receive)
             self._undelivered = results = []
             stop = self._apply(commands, results)
             if results:  # acceptances go out now, not after a step that may be long
                 self._deliver(results, None)
                 self._undelivered = results = []
-            if stop is None and self.engine.has_unfinished_requests():
+            if stop is None and (
+                self.engine.has_unfinished_requests() or self.engine.has_pending_kv_transfers()
+            ):
                 for output in self.engine.step():
                     find = self._owners.pop if output.finished else self._owners.get
                     owner = find(output.request_id, None)
@@ -138,6 +148,7 @@ class EngineCore(Generic[Owner]):
                     r.arrival_time,
                     deadline=r.deadline,
                     lora_request=r.lora_request,
+                    kv_transfer_params=r.kv_transfer_params,
                 )
                 added.append(r.request_id)
         except Exception as exc:  # the owner gets the error; the loop goes on

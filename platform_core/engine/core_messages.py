@@ -32,7 +32,7 @@ from platform_core.engine.request_stream import GenerateRequest
 from platform_core.lora_request import LoRARequest
 from platform_core.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 _PARAM_TYPES = typing.get_type_hints(SamplingParams)
@@ -108,6 +108,7 @@ class WireRequest(msgspec.Struct, array_like=True):
     arrival_time: float
     deadline_in: float | None
     lora_request: LoRARequest | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):
@@ -153,6 +154,7 @@ def request_to_wire(request: GenerateRequest) -> WireRequest:
         request.arrival_time,
         None if deadline is None else deadline - time.monotonic(),
         request.lora_request,
+        request.kv_transfer_params,
     )
 
 
@@ -167,6 +169,7 @@ def request_from_wire(wire: WireRequest) -> GenerateRequest:
         wire.arrival_time,
         None if left is None else time.monotonic() + left,
         wire.lora_request,
+        wire.kv_transfer_params,
     )
 
 
@@ -216,6 +219,7 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False):
     error: str | None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class StepDeltas(msgspec.Struct, array_like=True, gc=False):

@@ -21,7 +21,11 @@ from platform_core.engine.outputs import RequestMetrics, RequestOutput
 from platform_core.engine.sequence_state import RequestState, SampleState
 from platform_core.engine.setup import build_engine_parts
 from platform_core.engine.stats import engine_stats
-from platform_core.engine.validation import RequestLimits, validate_request
+from platform_core.engine.validation import (
+    RequestLimits,
+    check_kv_transfer_params,
+    validate_request,
+)
 from platform_core.errors import InvalidRequestError
 from platform_core.executor.base import WorkerDiedError
 from platform_core.lora.admission import LoRAAdmission
@@ -38,6 +42,8 @@ logger = logging.getLogger("platform_core.engine")
 DEADLINE_EXCEEDED = "deadline exceeded"  # the error of a request aborted at its deadline
 # How long an otherwise idle step waits for a grammar to compile (the loop then checks commands).
 GRAMMAR_WAIT_S = 0.05
+# How long a step with nothing to compute but KV transfers to watch waits before polling them.
+KV_TRANSFER_POLL_S = 0.002
 
 
 class LLMEngine:
@@ -110,6 +116,7 @@ class LLMEngine:
         deadline: float | None = None,
         stream: bool = True,
         lora_request: LoRARequest | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         """Validate and queue one request (run with the adapter ``lora_request``, if given).
 
@@ -117,6 +124,9 @@ class LLMEngine:
         queue is full. ``deadline`` (a ``time.monotonic()`` value) aborts the request with an
         error once passed, wherever it is. With ``stream=False`` ``step()`` reports the request
         only when it finishes (building an output every step costs time at large batches).
+        ``kv_transfer_params`` instruct the KV connector (``kv_transfer_config``): e.g.
+        ``{"do_remote_decode": True}`` on a prefill instance, or the parameters a prefill
+        instance returned, on a decode instance.
         """
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
@@ -142,6 +152,9 @@ class LLMEngine:
             arrival_time=now,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            kv_transfer_params=check_kv_transfer_params(
+                kv_transfer_params, self.scheduler.remote_kv is not None
+            ),
             pending_fork_ids=[f"{request_id}#{i}" for i in range(1, params.n)],
         )
         state = RequestState(
@@ -189,6 +202,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether the KV connector has blocks held for peers or loads in flight: steps must go
+        on (they may schedule nothing) until they are settled."""
+        return self.scheduler.has_pending_transfers
+
     def check_health(self) -> None:
         """Raise ``WorkerDiedError`` if a model worker is gone (every request then fails)."""
         try:
@@ -214,7 +232,10 @@ class LLMEngine:
         runner_output, failed = ModelRunnerOutput(), {}
         if scheduler_output.is_empty and self.structured.num_parked:
             self.structured.wait(GRAMMAR_WAIT_S)  # nothing else to do: do not spin
-        if not scheduler_output.is_empty:
+        transfers_only = scheduler_output.is_empty and self.scheduler.has_pending_transfers
+        if transfers_only:
+            time.sleep(KV_TRANSFER_POLL_S)  # only transfers to watch: do not spin
+        if not scheduler_output.is_empty or transfers_only:
             check = None if self.faults is None else self.faults.check
             try:
                 runner_output, failed = execute_isolated(self.executor, scheduler_output, check)
@@ -356,6 +377,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop worker processes (if any); the engine is unusable afterwards."""
         self.structured.shutdown()
+        if self.scheduler.remote_kv is not None:
+            self.scheduler.remote_kv.connector.shutdown()
+        self.runner.shutdown()
         self.executor.shutdown()
 
     def _forget(self, state: RequestState) -> None:

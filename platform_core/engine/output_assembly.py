@@ -121,6 +121,7 @@ class OutputAssembler:
             state.prompt_logprobs,
             delta.num_cached_tokens,
             delta.error,
+            delta.kv_transfer_params,
         )
 
     def forget(self, request_ids: list[str]) -> None:

@@ -87,6 +87,7 @@ class DeltaWriter:
                 and completion.stop_reason is None
                 and completion.text.startswith(sample.text)
                 and not output.finished
+                and output.kv_transfer_params is None
                 and output.error is None
                 and output.num_cached_tokens == sent.num_cached_tokens
                 and (output.prompt_logprobs is None or not sent.prompt_logprobs_due)
@@ -162,6 +163,7 @@ class DeltaWriter:
             output.error,
             prompt_ids,
             prompt_logprobs,
+            output.kv_transfer_params,
         )
 
     def forget(self, request_ids: list[str]) -> None:

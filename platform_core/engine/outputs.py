@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -62,7 +63,9 @@ class RequestOutput:
     """The state of one request after an engine step; ``finished`` on its last one.
 
     ``prompt_logprobs[0]`` is ``None`` (the first token has no context); ``num_cached_tokens``
-    counts prompt tokens served from the prefix cache.
+    counts prompt tokens served from the prefix cache. ``kv_transfer_params`` (on the final
+    output) are what the KV connector tells the client, e.g. where a decode instance finds the
+    prompt's blocks.
     """
 
     request_id: str
@@ -74,3 +77,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None

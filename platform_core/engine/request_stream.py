@@ -28,6 +28,7 @@ class GenerateRequest:
     arrival_time: float = field(default_factory=time.time)
     deadline: float | None = None  # time.monotonic() seconds; the engine aborts it after
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    kv_transfer_params: dict[str, Any] | None = None  # for the KV connector (disaggregation)
 
 
 class StreamSink:

@@ -167,4 +167,5 @@ class RequestState:
             self.prompt_logprobs,
             first.num_cached_tokens,
             error,
+            first.kv_transfer_result,
         )

@@ -6,7 +6,9 @@ logged once, so "why is it running like this" is answered by the start-up log.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from platform_core.config import EngineConfig
 from platform_core.errors import ConfigError, UnsupportedByBackendError
 from platform_core.executor.base import Executor, ModelSpec
 from platform_core.executor.factory import make_executor
+from platform_core.kv_transfer.registry import KVConnectorRegistry
 from platform_core.plugins.interfaces import Backend
 from platform_core.plugins.manager import PluginManager
 from platform_core.scheduler.scheduler import Scheduler
@@ -201,6 +204,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     if auto_dtype:
         config = apply_auto_dtype(config, backend)
     config = apply_backend_adjustments(config.replace(backend=backend.name), backend)
+    config = resolve_kv_transfer(config)
     head_size = head_size_of(hf_config)
     check_capabilities(config, backend, head_size)
 
@@ -208,6 +212,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
     generation_config = load_generation_config(model_dir)
     eos_token_ids = eos_ids_of(hf_config, generation_config, tokenizer)
     dtype = dtype_from_config(hf_config, config.model.dtype)
+    connector_arguments = kv_connector_arguments(config)  # fails before any worker starts
     executor = make_executor(ModelSpec(config, model_dir, hf_config, dtype, eos_token_ids), backend)
     try:
         max_model_len = _max_model_len(config, hf_config)
@@ -229,6 +234,7 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
             config.cache,
             num_blocks,
             config.lora.max_loras if config.lora.enable_lora else None,
+            **connector_arguments,
         ),
         tokenizer=tokenizer,
         model_dir=model_dir,
@@ -243,6 +249,28 @@ def build_engine_parts(config: EngineConfig) -> EngineSetup:
         ),
         proposer=proposer,
     )
+
+
+def resolve_kv_transfer(config: EngineConfig) -> EngineConfig:
+    """Give this instance an engine id for its KV connector's peers when the user named none
+    (``EngineConfig`` checked that the connector fits the rest of the config)."""
+    transfer = config.kv_transfer.kv_transfer_config
+    if transfer is None:
+        return config
+    if transfer.engine_id is not None:
+        return config
+    engine_id = uuid.uuid4().hex
+    logger.info("KV connector %s: engine id %s", transfer.kv_connector, engine_id)
+    return config.replace(kv_transfer_config=dataclasses.replace(transfer, engine_id=engine_id))
+
+
+def kv_connector_arguments(config: EngineConfig) -> dict[str, Any]:
+    """The scheduler's KV-connector arguments (none without a connector)."""
+    transfer = config.kv_transfer.kv_transfer_config
+    if transfer is None:
+        return {}
+    connector = KVConnectorRegistry().create_scheduler(transfer, config.cache.block_size)
+    return {"kv_connector": connector, "kv_hold_timeout_s": transfer.kv_hold_timeout_s}
 
 
 def _size_kv_cache(

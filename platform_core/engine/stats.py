@@ -37,4 +37,7 @@ def engine_stats(scheduler: Scheduler) -> dict[str, Any]:
         "num_waiting": scheduler.num_waiting,
     }
     stats.update(zip(STEP_BUCKET_KEYS, s.step_token_counts, strict=False))
+    remote = scheduler.remote_kv
+    if remote is not None:
+        stats.update(remote.stats.as_dict(remote.num_loading, len(remote.held)))
     return stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
@@ -43,3 +44,23 @@ def validate_request(
         )
     if params.stop and not limits.has_tokenizer:
         raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+
+
+def check_kv_transfer_params(
+    params: dict[str, Any] | None, has_connector: bool
+) -> dict[str, Any] | None:
+    """``params`` if this engine can take them: a JSON object, and a KV connector to read it."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise InvalidRequestError(
+            f"kv_transfer_params must be an object, got {type(params).__name__}",
+            "kv_transfer_params",
+        )
+    if not has_connector:
+        raise InvalidRequestError(
+            "kv_transfer_params were given, but this instance runs no KV connector (start it "
+            "with --kv-transfer-config)",
+            "kv_transfer_params",
+        )
+    return params

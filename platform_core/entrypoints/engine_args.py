@@ -18,6 +18,9 @@ _HELP = {
     "quantization": "gguf: keep a quantized GGUF's weights quantized (the default for one unless "
     "--dtype is given); int8 / int4 / fp8: quantize 16/32-bit weights at load time (fp8 also "
     "keeps an FP8 checkpoint's weights as stored); none: dequantize",
+    "kv_transfer_config": "a KV connector for prefill/decode disaggregation, as JSON: "
+    '\'{"kv_connector": "tcp", "kv_role": "kv_producer", "kv_port": 14579}\' (roles kv_producer, '
+    "kv_consumer, kv_both; `platform-core kv-connectors` lists the connectors)",
 }
 
 

@@ -45,8 +45,9 @@ ENTRY_POINT_GROUP = "platform_core.backends"
 # 1.3: platform_core.backend_api, Backend.communicator defaults to torch.distributed;
 # 1.4: Backend.before_step, the quantized_linear op (platform_core.quantization.formats);
 # 1.5: the apply_token_bitmask op (platform_core.layers.token_bitmask);
-# 1.6: the lora_shrink and lora_expand ops (platform_core.layers.lora).
-PLUGIN_API_VERSION = (1, 6)
+# 1.6: the lora_shrink and lora_expand ops (platform_core.layers.lora);
+# 1.7: AttentionOps.export_blocks / import_blocks (KV blocks in the canonical layout).
+PLUGIN_API_VERSION = (1, 7)
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

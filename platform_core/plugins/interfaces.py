@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from platform_core.errors import UnsupportedByBackendError
+
 if TYPE_CHECKING:
     import torch
 
@@ -143,6 +145,101 @@ class AttentionOps(ABC):
         differs overrides it.
         """
         kv_cache[:, dst] = kv_cache[:, src]
+
+    def export_blocks(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, *, block_size: int, head_size: int
+    ) -> torch.Tensor:
+        """Blocks ``block_ids`` of one layer's cache in the canonical layout (since plugin API
+        1.7): a new tensor ``[2, n, block_size, num_kv_heads, head_size]`` (0 keys, 1 values,
+        tokens in order) in the cache's dtype and on its device; KV connectors move blocks in it
+        between instances that may run different backends. Mutates nothing.
+
+        ``block_ids`` is an int64 tensor on the cache's device, in any order, possibly empty.
+        ``block_size`` and ``head_size`` are the cache's, as given to :meth:`kv_cache_shape`
+        (a backend's layout need not show them). Invalid arguments raise ``ValueError``.
+
+        The default serves the canonical layout only (the reference's and the Triton kernels');
+        for any other cache it raises ``UnsupportedByBackendError``: a backend whose layout
+        differs overrides both this and :meth:`import_blocks`.
+        """
+        self._require_canonical_layout(kv_cache)
+        self.check_block_ids(block_ids, kv_cache.shape[1])
+        cached = (kv_cache.shape[2], kv_cache.shape[4])
+        if cached != (block_size, head_size):
+            raise ValueError(
+                f"block_size {block_size} and head_size {head_size} are not the cache's: its "
+                f"shape {tuple(kv_cache.shape)} has block_size {cached[0]}, head_size {cached[1]}"
+            )
+        return kv_cache.index_select(1, block_ids)
+
+    def import_blocks(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor
+    ) -> None:
+        """Write canonical ``blocks`` ``[2, n, block_size, num_kv_heads, head_size]`` into the
+        cache at ``block_ids`` (since plugin API 1.7): the inverse of :meth:`export_blocks`.
+
+        ``block_ids`` are distinct; ``blocks`` may have another dtype or device and is converted
+        to the cache's. Other blocks are unchanged. Invalid arguments raise ``ValueError``; the
+        default raises ``UnsupportedByBackendError`` for a layout other than the canonical one.
+        """
+        self._require_canonical_layout(kv_cache)
+        self.check_block_ids(block_ids, kv_cache.shape[1], distinct=True)
+        geometry = self.check_canonical_blocks(blocks, block_ids.numel())
+        if geometry != tuple(kv_cache.shape[2:]):
+            raise ValueError(
+                f"blocks of shape {tuple(blocks.shape)} do not fit a cache of shape "
+                f"{tuple(kv_cache.shape)}: [block_size, num_kv_heads, head_size] differ"
+            )
+        kv_cache.index_copy_(1, block_ids, blocks.to(kv_cache.device, kv_cache.dtype))
+
+    def _require_canonical_layout(self, kv_cache: torch.Tensor) -> None:
+        """Refuse a cache the defaults would misread (they index the canonical layout)."""
+        if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+            raise UnsupportedByBackendError(
+                type(self).__qualname__,
+                "kv_cache_shape",
+                tuple(kv_cache.shape),
+                "[2, num_blocks, block_size, num_kv_heads, head_size] only: this KV layout "
+                "differs from the canonical one, so the ops must override export_blocks and "
+                "import_blocks for KV transfer",
+            )
+
+    @staticmethod
+    def check_block_ids(
+        block_ids: torch.Tensor, num_blocks: int, *, distinct: bool = False
+    ) -> None:
+        """Raise ``ValueError`` unless ``block_ids`` is a 1-D int64 tensor of ids in
+        ``[0, num_blocks)`` (and, with ``distinct``, no id twice); for overrides of
+        :meth:`export_blocks` and :meth:`import_blocks` (since plugin API 1.7)."""
+        import torch  # here: importing the interfaces must not import torch
+
+        if block_ids.dim() != 1 or block_ids.dtype != torch.int64:
+            raise ValueError(
+                f"block_ids must be a 1-D int64 tensor, not {block_ids.dim()}-D {block_ids.dtype}"
+            )
+        if not block_ids.numel():
+            return
+        low, high = torch.stack(block_ids.aminmax()).tolist()  # one device sync for both
+        if low < 0 or high >= num_blocks:
+            outside = block_ids[(block_ids < 0) | (block_ids >= num_blocks)]
+            raise ValueError(
+                f"block ids {outside[:8].tolist()} are out of range: the cache has "
+                f"{num_blocks} blocks"
+            )
+        if distinct and block_ids.unique().numel() != block_ids.numel():
+            raise ValueError(f"block ids repeat: {block_ids.tolist()[:64]}")
+
+    @staticmethod
+    def check_canonical_blocks(blocks: torch.Tensor, count: int) -> tuple[int, int, int]:
+        """``(block_size, num_kv_heads, head_size)`` of ``blocks`` after checking that they are
+        ``count`` canonical blocks ``[2, count, block_size, num_kv_heads, head_size]``, else
+        ``ValueError`` (since plugin API 1.7)."""
+        if blocks.dim() != 5 or tuple(blocks.shape[:2]) != (2, count):
+            raise ValueError(
+                f"blocks of shape {tuple(blocks.shape)} are not {count} canonical blocks "
+                f"[2, {count}, block_size, num_kv_heads, head_size]"
+            )
+        return tuple(blocks.shape[2:])
 
 
 class MemoryProfiler(ABC):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from platform_core.kv_transfer.interfaces import KVConnectorOutput
 from platform_core.lora_request import LoRARequest
 from platform_core.sample.logprobs import TokenLogprobs
 from platform_core.sampling_params import SamplingParams
@@ -69,12 +70,17 @@ class ScheduledRequest:
 
 @dataclass(slots=True, kw_only=True)
 class SchedulerOutput:
-    """What to run in one step; ``block_copies`` run before the forward pass."""
+    """What to run in one step; ``block_copies`` run before the forward pass.
+
+    ``kv_connector_metadata`` is the KV connector's instructions to its worker side (None
+    without a connector); a step may carry them with nothing scheduled.
+    """
 
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    kv_connector_metadata: Any = None
 
     @property
     def total_num_tokens(self) -> int:
@@ -91,9 +97,11 @@ class ModelRunnerOutput:
 
     ``sampled`` holds the new tokens of each request that sampled; ``logprobs`` their logprobs
     when asked for; ``prompt_logprobs`` maps a request to ``(first, entries)``: the logprobs of
-    prompt tokens ``first, first + 1, ...`` computed this step.
+    prompt tokens ``first, first + 1, ...`` computed this step. ``kv_connector`` is the KV
+    connector's report (None without a connector).
     """
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    kv_connector: KVConnectorOutput | None = None

@@ -18,6 +18,7 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -56,7 +57,9 @@ class Request:
     sampled. ``spec_token_ids`` are draft tokens proposed for the next step (speculative decoding),
     ``spec_draft_probs`` the proposer's distributions for them (opaque here; ``None`` when the
     proposer is deterministic). ``lora_request`` is the adapter it runs with (None: the base
-    model).
+    model). ``kv_transfer_params`` are the client's instructions to the KV connector (e.g. load
+    the prompt's blocks from a prefill instance); ``kv_transfer_result`` what the connector
+    returns to the client when the request finishes (e.g. where its blocks are held).
     """
 
     request_id: str
@@ -68,6 +71,10 @@ class Request:
     scheduled_time: float = 0.0  # when first admitted to the running batch (0: not yet)
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_result: dict[str, Any] | None = None
+    num_loading_tokens: int = 0  # remote tokens being loaded into its blocks
+    kv_load_checked: bool = False  # its connector was asked for remote tokens
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

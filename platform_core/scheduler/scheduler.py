@@ -11,6 +11,10 @@ Each step:
    ``max_loras`` adapters run at once: a request whose adapter would be one too many stays
    waiting while later requests (of running adapters or the base model) are admitted.
 
+With a KV connector (``remote_kv``) a waiting request whose prompt a remote instance holds gets
+blocks for it and waits, neither running nor holding up others, while the blocks load; and a
+finished request whose blocks a peer will read keeps them until the peer has them.
+
 Forking the samples of an ``n > 1`` request (``forks``), speculative drafts (``drafts``), the
 message for each scheduled request (``describe``) and the counters (``stats``) have their own
 modules.
@@ -23,11 +27,13 @@ import time
 from platform_core.config import CacheConfig, SchedulerConfig
 from platform_core.errors import QueueFullError
 from platform_core.kv_cache.manager import KVCacheManager, KVCacheStats
+from platform_core.kv_transfer.interfaces import KVConnectorScheduler
 from platform_core.scheduler.describe import describe_request
 from platform_core.scheduler.drafts import DraftProposer, fit_drafts, propose_drafts, settle_drafts
 from platform_core.scheduler.forks import fork_samples
 from platform_core.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from platform_core.scheduler.queue import RequestQueue
+from platform_core.scheduler.remote_kv import RemoteKV
 from platform_core.scheduler.request import Request, RequestStatus
 from platform_core.scheduler.stats import SchedulerStats
 
@@ -41,11 +47,17 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_loras: int | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
+        kv_hold_timeout_s: float = 120.0,
     ):
         self.config = scheduler_config
         self.max_loras = max_loras
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        #: the KV connector's side of scheduling (None: no connector)
+        self.remote_kv = (
+            None if kv_connector is None else RemoteKV(kv_connector, self.kv, kv_hold_timeout_s)
         )
         self.waiting = RequestQueue()
         self.running: list[Request] = []
@@ -58,7 +70,13 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        loading = 0 if self.remote_kv is None else self.remote_kv.num_loading
+        return len(self.waiting) + len(self.running) + loading
+
+    @property
+    def has_pending_transfers(self) -> bool:
+        """Blocks held for a peer or being loaded: the connector needs steps to finish them."""
+        return self.remote_kv is not None and self.remote_kv.pending
 
     @property
     def num_running(self) -> int:
@@ -96,7 +114,9 @@ class Scheduler:
     def add_request(self, request: Request, check_room: bool = True) -> None:
         """Queue a new request (its id must be unused); ``check_room=False`` when the caller
         did (``check_room``) before holding it elsewhere."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or (
+            self.remote_kv is not None and self.remote_kv.holds_blocks_of(request.request_id)
+        ):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if check_room:
             self.check_room()
@@ -119,6 +139,8 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 any_running = True
+            elif request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.remote_kv.abandon(request)  # its blocks are freed once the load ends
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -140,6 +162,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
+        if self.remote_kv is not None:
+            self.remote_kv.expire_holds()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -173,6 +197,7 @@ class Scheduler:
             preempted_ids=[r.request_id for r in preempted],
             finished_ids=self._finished_ids,
             block_copies=self._block_copies,
+            kv_connector_metadata=None if self.remote_kv is None else self.remote_kv.metadata(),
         )
         self._finished_ids = []
         self._block_copies = []
@@ -208,8 +233,18 @@ class Scheduler:
                 continue
             # Prompt logprobs need logits at every prompt position: such prompts are computed.
             wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
-            cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
-            num_cached_tokens = len(cached) * self.kv.block_size
+            if self.kv.block_ids(request.request_id):  # its blocks were loaded from a peer
+                cached, num_cached_tokens = [], request.num_computed_tokens
+            else:
+                cached = [] if wants_prompt_logprobs else self.kv.find_cached_prefix(request)
+                num_cached_tokens = len(cached) * self.kv.block_size
+                if self.remote_kv is not None and not request.kv_load_checked:
+                    loading = self.remote_kv.start_load(request, cached)
+                    if loading is None:
+                        break  # no room for its blocks yet
+                    if loading:
+                        self.waiting.popleft()
+                        continue
             remaining = request.num_tokens - num_cached_tokens
             if in_flight and not wants_prompt_logprobs:
                 shared = self.kv.num_blocks_in_flight(request, len(cached), in_flight)
@@ -240,6 +275,9 @@ class Scheduler:
         """Advance the scheduled requests by the executed step; return those that finished."""
         finished: list[Request] = []
         self._new_forks = {}
+        if self.remote_kv is not None and runner_output.kv_connector is not None:
+            for request in reversed(self.remote_kv.update(runner_output.kv_connector)):
+                self.waiting.appendleft(request)  # loaded: first in line, in load order
         requests, sampled, running = self.requests, runner_output.sampled, RequestStatus.RUNNING
         cache_computed_blocks = self.kv.cache_computed_blocks
         for item in output.scheduled:
@@ -300,8 +338,11 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        normal = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        loading = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         request.status = status
-        self.kv.free(request.request_id)
+        if self.remote_kv is None or not (loading or self.remote_kv.keep_blocks(request, normal)):
+            self.kv.free(request.request_id)
         self.kv.forget(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)

@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from platform_core.config import EngineConfig
+from platform_core.kv_transfer.cache_access import BackendKVCache, kv_layout
+from platform_core.kv_transfer.interfaces import KVConnectorWorker
+from platform_core.kv_transfer.registry import KVConnectorRegistry
 from platform_core.layers.ops import resolve_ops
 from platform_core.lora.slots import LoRASlotTable
 from platform_core.lora.worker import WorkerLoRA
@@ -92,6 +95,8 @@ class ModelRunner:
         self.num_kv_blocks = 0
         #: the backend's graph runner wrapping the model's forward, when it made one
         self.graph_runner: Callable[..., torch.Tensor] | None = None
+        #: the KV connector's worker side, once the serving cache is allocated
+        self.kv_connector: KVConnectorWorker | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -162,6 +167,15 @@ class ModelRunner:
             self.graph_runner = self.backend.graph_runner(
                 self.model, self.kv_caches, self.config, max_model_len
             )
+        transfer = self.config.kv_transfer.kv_transfer_config
+        if max_model_len is not None and transfer is not None:
+            self.kv_connector = KVConnectorRegistry().create_worker(transfer)
+            model = self.model
+            layout = kv_layout(
+                model.num_layers, self.block_size, model.num_kv_heads, model.head_size, self.dtype
+            )
+            access = BackendKVCache(self.backend.attention, self.kv_caches, layout)
+            self.kv_connector.register_kv_caches(access)
 
     def kv_cache_info(self) -> KVCacheInfo:
         """This rank's KV cache (no blocks before ``allocate_kv_cache``)."""
@@ -201,9 +215,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Plan, forward and sample one step in this process."""
-        plan = self.plan(output)
-        return self.step_sampler(output, plan, self.forward(plan))
+        """Plan, forward and sample one step in this process, with the KV connector's work
+        around the forward pass (a step may be the connector's alone: nothing scheduled)."""
+        connector, metadata = self.kv_connector, output.kv_connector_metadata
+        if connector is None or metadata is None:
+            plan = self.plan(output)
+            return self.step_sampler(output, plan, self.forward(plan))
+        connector.start_load_kv(metadata)
+        result = ModelRunnerOutput()
+        if output.scheduled:
+            plan = self.plan(output)
+            result = self.step_sampler(output, plan, self.forward(plan))
+        connector.save_kv(metadata)
+        result.kv_connector = connector.get_finished()
+        return result
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's worker side (its sockets and threads), if any."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         device = self.backend.device

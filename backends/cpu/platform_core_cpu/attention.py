@@ -137,6 +137,46 @@ class CpuAttentionOps(AttentionOps):
             )
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
+    def export_blocks(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, *, block_size: int, head_size: int
+    ) -> torch.Tensor:
+        """Blocks ``block_ids`` as canonical ``[2, n, block_size, kv_heads, head_size]``: one
+        gather per half that reorders the tiles as it copies."""
+        self.check_block_ids(block_ids, kv_cache.shape[1])
+        heads = kv_cache.shape[2]
+        _check_tiles(kv_cache, block_size, heads, head_size)
+        out = kv_cache.new_empty((2, block_ids.numel(), block_size, heads, head_size))
+        keys, values = _key_words(kv_cache[0], head_size), _value_pairs(kv_cache[1], head_size)
+        torch.index_select(keys, 0, block_ids, out=_canonical_key_words(out[0]))
+        torch.index_select(values, 0, block_ids, out=_canonical_value_pairs(out[1]))
+        return out
+
+    def import_blocks(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor
+    ) -> None:
+        """Write canonical ``blocks`` at ``block_ids``: every token through :meth:`write_kv`
+        at its slot (the compiled kernel's scatter runs close to copy speed)."""
+        self.check_block_ids(block_ids, kv_cache.shape[1], distinct=True)
+        block_size, heads, head_size = self.check_canonical_blocks(blocks, block_ids.numel())
+        _check_tiles(kv_cache, block_size, heads, head_size)
+        offsets = torch.arange(block_size, device=kv_cache.device)
+        slots = (block_ids[:, None] * block_size + offsets).flatten()
+        tokens = blocks.to(kv_cache.device).flatten(1, 2)  # [2, n * block_size, heads, head_size]
+        self.write_kv(tokens[0], tokens[1], kv_cache, slots)
+
+
+def _check_tiles(
+    kv_cache: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int
+) -> None:
+    """``ValueError`` unless canonical blocks of this geometry fit the cache's tiles."""
+    _, _, heads, tile = kv_cache.shape
+    if heads != num_kv_heads or block_size * head_size != tile or block_size % 2 or head_size % 2:
+        raise ValueError(
+            f"blocks of block_size {block_size}, {num_kv_heads} kv heads and head_size "
+            f"{head_size} do not fit a CPU cache of {heads} kv heads and tiles of {tile} "
+            "elements (block_size * head_size, both even)"
+        )
+
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its last dimension is contiguous (the kernels take other strides)."""
@@ -155,6 +195,37 @@ def value_tokens(values: torch.Tensor, head_size: int) -> torch.Tensor:
     ``[blocks, kv_heads, block_size / 2, 2, head_size]``."""
     blocks, heads, tile = values.shape
     return values.view(blocks, heads, tile // head_size // 2, head_size, 2).transpose(3, 4)
+
+
+def _word(dtype: torch.dtype) -> torch.dtype:
+    """The integer type as wide as two elements of ``dtype``: a pair moves as one word."""
+    return {1: torch.int16, 2: torch.int32, 4: torch.int64}[dtype.itemsize]
+
+
+def _key_words(keys: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The key half ``[blocks, kv_heads, tile]`` of a cache as a view of words (dimension
+    pairs) in canonical order: ``[blocks, block_size, kv_heads, head_size / 2]``."""
+    blocks, heads, tile = keys.shape
+    words = keys.view(_word(keys.dtype)).view(blocks, heads, head_size // 2, tile // head_size)
+    return words.permute(0, 3, 1, 2)
+
+
+def _value_pairs(values: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The value half ``[blocks, kv_heads, tile]`` of a cache as a view in canonical order:
+    ``[blocks, block_size / 2, 2, kv_heads, head_size]``."""
+    return value_tokens(values, head_size).permute(0, 2, 3, 1, 4)
+
+
+def _canonical_key_words(keys: torch.Tensor) -> torch.Tensor:
+    """Canonical keys ``[blocks, block_size, kv_heads, head_size]`` as words, the order of
+    :func:`_key_words`."""
+    return keys.view(_word(keys.dtype))
+
+
+def _canonical_value_pairs(values: torch.Tensor) -> torch.Tensor:
+    """Canonical values ``[blocks, block_size, kv_heads, head_size]`` as token pairs, the order
+    of :func:`_value_pairs`."""
+    return values.unflatten(1, (-1, 2))
 
 
 def _gather(
@@ -179,7 +250,7 @@ def _gather(
         return part.view(total_blocks * heads, 1, tile).index_select(0, tile_ids)
 
     # Key pairs as words: a plain [head_size / 2, block_size] transpose per tile, then upcast.
-    word = torch.int32 if kv_cache.element_size() == 2 else torch.int64
+    word = _word(kv_cache.dtype)
     key_words = tiles(kv_cache[0]).view(word).unflatten(-1, (head_size // 2, block_size))
     keys = key_words.transpose(-1, -2).contiguous().view(kv_cache.dtype).float().view(shape)
     value_pairs = value_tokens(tiles(kv_cache[1]), head_size)

@@ -33,7 +33,7 @@ logger = logging.getLogger("platform_core_cpu")
 
 # 1.6: the lora_shrink and lora_expand ops (1.5: apply_token_bitmask; 1.4: before_step; 1.3: the
 # backend API, the default communicator; 1.2: BackendInfo.details, auto_dtype_reason)
-BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 6), priority=0)
+BACKEND = BackendIdentity("cpu", "platform-core-cpu", api_version=(1, 7), priority=0)
 
 
 def capabilities(isa: CpuIsa | None = None) -> Capabilities:

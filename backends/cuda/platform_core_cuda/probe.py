@@ -25,7 +25,7 @@ from platform_core.backend_api import (
     triton_version,
 )
 
-BACKEND = BackendIdentity("cuda", "platform-core-cuda", api_version=(1, 6), priority=100)
+BACKEND = BackendIdentity("cuda", "platform-core-cuda", api_version=(1, 7), priority=100)
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere
 
 

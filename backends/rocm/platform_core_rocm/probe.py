@@ -22,7 +22,7 @@ from platform_core.backend_api import (
     triton_version,
 )
 
-BACKEND = BackendIdentity("rocm", "platform-core-rocm", api_version=(1, 6), priority=100)
+BACKEND = BackendIdentity("rocm", "platform-core-rocm", api_version=(1, 7), priority=100)
 CAPABILITIES = KERNEL_CAPABILITIES
 _TRITON_DISTRIBUTIONS = ("pytorch-triton-rocm", "triton")
 

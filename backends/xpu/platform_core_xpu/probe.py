@@ -23,7 +23,7 @@ from platform_core.backend_api import (
     triton_version,
 )
 
-BACKEND = BackendIdentity("xpu", "platform-core-xpu", api_version=(1, 6), priority=90)
+BACKEND = BackendIdentity("xpu", "platform-core-xpu", api_version=(1, 7), priority=90)
 CAPABILITIES = KERNEL_CAPABILITIES
 IPEX_DISTRIBUTION = "intel-extension-for-pytorch"
 _TRITON_DISTRIBUTIONS = ("pytorch-triton-xpu", "triton")

@@ -41,6 +41,7 @@ _TYPES = {
     408: "timeout_error",
     413: "invalid_request_error",
     500: "server_error",
+    502: "server_error",  # the proxy's: an upstream instance failed
     503: "service_unavailable_error",
 }
 

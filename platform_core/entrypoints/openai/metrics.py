@@ -116,6 +116,8 @@ class _EngineCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        if "kv_transfer_loads" in s:  # a KV connector runs
+            yield from _kv_transfer_metrics(s)
         cumulative = accumulate(s[key] for key in STEP_BUCKET_KEYS)
         steps = [(str(b), n) for b, n in zip(STEP_TOKEN_BUCKETS, cumulative, strict=True)]
         yield HistogramMetricFamily(
@@ -124,6 +126,35 @@ class _EngineCollector(Collector):
             buckets=[*steps, ("+Inf", s["num_steps"])],
             sum_value=s["num_scheduled_tokens"],
         )
+
+
+# KV-connector counters: metric name, stats key, help text.
+_KV_TRANSFER_COUNTERS = (
+    ("kv_transfer_bytes_received", "Bytes of KV blocks loaded from producers."),
+    ("kv_transfer_bytes_sent", "Bytes of KV blocks served to consumers."),
+    ("kv_transfer_blocks_received", "KV blocks loaded from producers."),
+    ("kv_transfer_blocks_sent", "KV blocks served to consumers."),
+    ("kv_transfer_failed_blocks", "KV blocks that failed to load (recomputed)."),
+    ("kv_transfer_failed_transfers", "Loads with at least one failed block."),
+    ("kv_transfer_loads", "Requests that loaded prompt KV from a producer."),
+    ("kv_transfer_loaded_tokens", "Prompt tokens whose KV was loaded, not computed."),
+    ("kv_transfer_recomputed_tokens", "Prompt tokens whose load failed and were recomputed."),
+    ("kv_transfer_holds", "Finished prompts whose blocks were held for a consumer."),
+    ("kv_transfer_hold_timeouts", "Held blocks freed because no consumer came in time."),
+)
+_KV_TRANSFER_GAUGES = (
+    ("kv_transfer_loading", "Requests waiting for their prompt's KV blocks to load."),
+    ("kv_transfer_held", "Finished prompts whose blocks are held for a consumer."),
+    ("kv_transfer_latency_p50_s", "Median duration of the latest KV loads, in seconds."),
+    ("kv_transfer_latency_p99_s", "99th percentile duration of the latest KV loads, seconds."),
+)
+
+
+def _kv_transfer_metrics(stats: dict) -> Iterator[Metric]:
+    for key, doc in _KV_TRANSFER_COUNTERS:
+        yield CounterMetricFamily(PREFIX + key, doc, value=stats[key])
+    for key, doc in _KV_TRANSFER_GAUGES:
+        yield GaugeMetricFamily(PREFIX + key, doc, value=stats[key])
 
 
 class ServerMetrics:

@@ -232,6 +232,9 @@ class SamplingRequest(_Request):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
+    # vLLM's disaggregated prefill: instructions for the engine's KV connector (e.g.
+    # ``{"do_remote_decode": true}``, or what a prefill instance returned), passed on as they are.
+    kv_transfer_params: dict[Text, Any] | None = None
 
     def deadline(self) -> float | None:
         """``timeout`` as a ``time.monotonic()`` deadline counted from now; ``None`` if unset."""
@@ -541,7 +544,9 @@ class CompletionChoice(BaseModel):
 
 
 class CompletionResponse(BaseModel):
-    """A whole completion, or (streaming) one chunk of it."""
+    """A whole completion, or (streaming) one chunk of it; ``kv_transfer_params`` are what the
+    engine's KV connector returned for the request (on the response, or the chunk that finishes
+    the request), null without one."""
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -549,6 +554,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -598,7 +604,8 @@ class ChatChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
-    """A whole chat completion; the vLLM prompt fields are null unless asked for."""
+    """A whole chat completion; the vLLM prompt fields are null unless asked for, and
+    ``kv_transfer_params`` unless the engine's KV connector returned some."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -608,6 +615,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -642,6 +650,8 @@ class ChatStreamChoice(BaseModel):
 
 
 class ChatCompletionChunk(BaseModel):
+    """One chunk of a streamed chat completion (``kv_transfer_params`` as in the response)."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -649,3 +659,4 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None

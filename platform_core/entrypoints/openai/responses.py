@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
@@ -29,13 +30,15 @@ MAX_IGNORED_HEADER_CHARS = 2048
 
 @dataclass(slots=True)
 class Delta:
-    """What one choice gained since its previous chunk (``start``: index of its first new token)."""
+    """What one choice gained since its previous chunk (``start``: index of its first new token);
+    the last delta of a finished request carries its ``kv_transfer_params``."""
 
     index: int
     text: str
     start: int
     completion: CompletionOutput
     first: bool
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaTracker:
@@ -63,6 +66,8 @@ class DeltaTracker:
                 len(completion.token_ids),
                 completion.finished,
             )
+        if output.finished and deltas:
+            deltas[-1].kv_transfer_params = output.kv_transfer_params
         return deltas
 
 
@@ -92,6 +97,12 @@ def format_prompt_logprobs(
         }
         for position in positions
     ]
+
+
+def kv_transfer_params(finals: list[RequestOutput]) -> dict[str, Any] | None:
+    """What the KV connector returned for a response's request; ``None`` for a response of
+    several prompts (which cannot send ``kv_transfer_params``)."""
+    return finals[0].kv_transfer_params if len(finals) == 1 else None
 
 
 def usage(finals: list[RequestOutput], count_completions: bool = True) -> UsageInfo:

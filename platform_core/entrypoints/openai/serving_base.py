@@ -213,9 +213,10 @@ class ServerContext:
         params: SamplingParams,
         clock: RequestClock,
         lora: LoRARequest | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Send every prompt to the engine as one group, run with the adapter ``lora`` if
-        given; ``request_id-i`` is prompt ``i``.
+        given, and ``kv_transfer_params`` for the KV connector; ``request_id-i`` is prompt ``i``.
 
         The wait for acceptance runs under ``clock``; its deadline also reaches the engine,
         which aborts the requests wherever they are.
@@ -231,7 +232,16 @@ class ServerContext:
                 )
         now, deadline = time.time(), clock.deadline
         requests = [
-            GenerateRequest(f"{request_id}-{i}", p.text, params, p.token_ids, now, deadline, lora)
+            GenerateRequest(
+                f"{request_id}-{i}",
+                p.text,
+                params,
+                p.token_ids,
+                now,
+                deadline,
+                lora,
+                kv_transfer_params,
+            )
             for i, p in enumerate(prompts)
         ]
         # A client that stops reading is aborted once every choice lags by the per-choice limit.

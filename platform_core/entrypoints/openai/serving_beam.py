@@ -94,9 +94,21 @@ async def submit_or_search(
     lora: LoRARequest | None,
 ) -> RequestStream | BeamSearchStream:
     """``ctx.submit``, or with ``body.use_beam_search`` a beam search of ``params.n`` beams;
-    either runs with the adapter ``lora`` if given."""
+    either runs with the adapter ``lora`` if given.
+
+    ``body.kv_transfer_params`` go to the engine with the one request of a single prompt; with
+    beam search (a request per beam and token) or several prompts (requests that would share
+    them) they are a 400.
+    """
+    kv_transfer_params = body.kv_transfer_params
+    if kv_transfer_params is not None and (body.use_beam_search or len(prompts) > 1):
+        reason = "beam search" if body.use_beam_search else f"{len(prompts)} prompts"
+        raise InvalidRequestError(
+            f"kv_transfer_params apply to a single prompt without beam search, not to {reason}",
+            "kv_transfer_params",
+        )
     if not body.use_beam_search:
-        return await ctx.submit(request_id, prompts, params, clock, lora)
+        return await ctx.submit(request_id, prompts, params, clock, lora, kv_transfer_params)
     if body.stream:
         raise InvalidRequestError("streaming is not supported with beam search", "stream")
     try:

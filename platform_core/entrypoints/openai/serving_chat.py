@@ -45,6 +45,7 @@ from platform_core.entrypoints.openai.responses import (
     DeltaTracker,
     event_stream,
     format_prompt_logprobs,
+    kv_transfer_params,
     usage,
     with_ignored_header,
 )
@@ -209,6 +210,7 @@ class ChatServing:
             prompt_logprobs=format_prompt_logprobs(final.prompt_logprobs)
             if prompt_logprobs is not None
             else None,
+            kv_transfer_params=kv_transfer_params(finals),
         )
         return with_ignored_header(response, ignored)
 
@@ -260,6 +262,7 @@ class ChatServing:
                     choices=[choice],
                     usage=usage([output]) if continuous else None,
                     prompt_token_ids=output.prompt_token_ids if first_ids else None,
+                    kv_transfer_params=d.kv_transfer_params,
                 )
         if ctx.include_usage(body) and final is not None:
             yield ChatCompletionChunk(

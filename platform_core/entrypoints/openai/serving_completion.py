@@ -23,6 +23,7 @@ from platform_core.entrypoints.openai.responses import (
     DeltaTracker,
     event_stream,
     format_prompt_logprobs,
+    kv_transfer_params,
     usage,
     with_ignored_header,
 )
@@ -167,6 +168,7 @@ class CompletionServing:
             model,
             choices,
             usage(finals, count_completions=not echo_only),
+            kv_transfer_params=kv_transfer_params(finals),
         )
         return with_ignored_header(response, ignored)
 
@@ -220,6 +222,7 @@ class CompletionServing:
                     model=model,
                     choices=[choice],
                     usage=usage([output], count) if plan.continuous_usage else None,
+                    kv_transfer_params=delta.kv_transfer_params,
                 )
         if ctx.include_usage(body):
             yield CompletionResponse(

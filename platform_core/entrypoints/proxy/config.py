@@ -1,0 +1,52 @@
+"""What ``platform-core proxy`` is given: its upstream instances, routing policy and timeouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from platform_core.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
+from platform_core.errors import ConfigError
+
+ROUTING_POLICIES = ("round-robin", "least-loaded")
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_HEALTH_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    """The proxy's settings.
+
+    ``prefill`` / ``decode``: base URLs of the instances (``http://host:port``, without ``/v1``).
+    ``routing``: how one instance of a side is picked per request (``ROUTING_POLICIES``).
+    ``api_key``: the key the proxy itself requires (``Authorization: Bearer``) on every route
+    but ``/health`` and ``/metrics``. ``connect_timeout``: seconds to connect to an upstream
+    before it counts as down; ``health_timeout``: seconds each upstream's ``/health`` may take
+    when the proxy's ``/health`` asks. ``max_body_bytes``: larger request bodies get 413.
+    """
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    routing: str = ROUTING_POLICIES[0]
+    api_key: str | None = None
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def __post_init__(self) -> None:
+        for side in ("prefill", "decode"):
+            urls = getattr(self, side)
+            if not urls:
+                raise ConfigError(f"give at least one {side} instance URL")
+            object.__setattr__(self, side, tuple(_base_url(url, side) for url in urls))
+        if self.routing not in ROUTING_POLICIES:
+            raise ConfigError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("the API key is empty; give a non-empty key, or none for no auth")
+        if self.connect_timeout <= 0 or self.health_timeout <= 0:
+            raise ConfigError("timeouts must be > 0 seconds")
+
+
+def _base_url(url: str, side: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{side} instance {url!r} is not an http:// or https:// URL")
+    return url.rstrip("/")

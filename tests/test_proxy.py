@@ -1,0 +1,526 @@
+"""``platform-core proxy`` (prefill/decode disaggregation, #23) before stub instances: what each
+side gets, streams and whole answers passed through (the real ``openai`` client reads them),
+refusals and failures, routing, client disconnects, ``/health``, ``/metrics``, the API key and
+the command line.
+
+The stubs (``StubInstance``) are small FastAPI apps in threads that record every request and
+answer as a prefill instance's connector would (``kv_transfer_params`` for a request with
+``do_remote_decode``); what each answers is set per test through its ``state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+from proxy_utils import live_app, live_proxy
+from server_utils import expect_error, free_port, wait_for
+from starlette.responses import Response
+
+from platform_core.cli.main import build_parser
+from platform_core.entrypoints.proxy.config import ProxyConfig
+from platform_core.entrypoints.proxy.routing import UpstreamPool
+from platform_core.errors import ConfigError
+
+MODEL = "stub-model"
+WORDS = ["Paris", " is", " the", " capital"]
+DO_REMOTE_DECODE = {"do_remote_decode": True}
+REMOTE_PREFILL = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill-0",
+    "remote_request_id": "cmpl-p-0",
+    "remote_address": {"host": "127.0.0.1", "port": 14579},
+    "remote_num_tokens": 5,
+}
+COMPLETION = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+ROUTES = [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)]
+
+
+@dataclass
+class Received:
+    path: str
+    body: dict
+    headers: dict[str, str]
+
+
+@dataclass
+class StubState:
+    """How a stub answers (a fresh one per test) and what it has received.
+
+    ``status``: generation requests get an error body with any other; ``delay``: seconds
+    before answering them; ``params``: the ``kv_transfer_params`` of an answer to a
+    ``do_remote_decode`` request; ``endless``: streams
+    run until the client leaves (then ``closed`` is set); ``broken``: streams break off after
+    their first event.
+    """
+
+    received: list[Received] = field(default_factory=list)
+    status: int = 200
+    delay: float = 0.0
+    health: int = 200
+    params: dict | None = field(default_factory=lambda: dict(REMOTE_PREFILL))
+    endless: bool = False
+    broken: bool = False
+    closed: threading.Event = field(default_factory=threading.Event)
+
+
+def _chunk(chat: bool, word: str, last: bool) -> dict:
+    choice: dict = {"index": 0, "finish_reason": "length" if last else None}
+    if chat:
+        choice["delta"] = {"role": "assistant", "content": word}
+    else:
+        choice["text"] = word
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": "stub", "object": kind, "created": 1, "model": MODEL, "choices": [choice]}
+
+
+def sse(chat: bool) -> bytes:
+    """The server-sent events a stub streams: one chunk per word, then ``[DONE]``."""
+    events = [_chunk(chat, w, i == len(WORDS) - 1) for i, w in enumerate(WORDS)]
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+
+
+def whole(chat: bool, params: dict | None) -> dict:
+    """A stub's whole answer."""
+    text = "".join(WORDS)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None}
+    return {
+        "id": "stub",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": 1,
+        "model": MODEL,
+        "choices": [{**choice, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
+        "kv_transfer_params": params,
+    }
+
+
+class StubInstance:
+    """A stand-in for a ``serve`` instance; ``state`` is what it answers and has received."""
+
+    def __init__(self) -> None:
+        self.state = StubState()
+        self.url = ""
+        self.app = FastAPI()
+        self.app.post("/v1/completions")(self._generate)
+        self.app.post("/v1/chat/completions")(self._generate)
+        self.app.get("/health")(self._health)
+        self.app.get("/v1/models")(self._models)
+
+    async def _generate(self, request: Request) -> Response:
+        state = self.state
+        body = await request.json()
+        state.received.append(Received(request.url.path, body, dict(request.headers)))
+        await asyncio.sleep(state.delay)
+        if state.status != 200:
+            error = {"message": f"stub says {state.status}", "type": "x", "param": "prompt"}
+            return JSONResponse({"error": error}, status_code=state.status)
+        chat = request.url.path == "/v1/chat/completions"
+        if body.get("stream"):
+            return StreamingResponse(self._events(state, chat), media_type="text/event-stream")
+        params = state.params if body.get("kv_transfer_params") == DO_REMOTE_DECODE else None
+        return JSONResponse(whole(chat, params))
+
+    async def _events(self, state: StubState, chat: bool) -> AsyncIterator[bytes]:
+        try:
+            if not (state.endless or state.broken):
+                yield sse(chat)
+                return
+            first = sse(chat).split(b"\n\n")[0] + b"\n\n"
+            yield first
+            while state.endless:
+                await asyncio.sleep(0.01)
+                yield first
+            raise RuntimeError("the stub breaks off its stream")
+        finally:
+            state.closed.set()
+
+    async def _health(self) -> Response:
+        return Response(status_code=self.state.health)
+
+    async def _models(self) -> dict:
+        return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "stub"}]}
+
+
+@pytest.fixture(scope="module")
+def stubs() -> Iterator[dict[str, StubInstance]]:
+    """Two prefill (``p1``, ``p2``) and two decode (``d1``, ``d2``) stand-ins."""
+    instances = {name: StubInstance() for name in ("p1", "p2", "d1", "d2")}
+    with ExitStack() as stack:
+        for instance in instances.values():
+            instance.url = stack.enter_context(live_app(instance.app))
+        yield instances
+
+
+@pytest.fixture(autouse=True)
+def fresh(stubs: dict[str, StubInstance]) -> None:
+    for instance in stubs.values():
+        instance.state = StubState()
+
+
+@pytest.fixture
+def p1(stubs):
+    return stubs["p1"]
+
+
+@pytest.fixture
+def d1(stubs):
+    return stubs["d1"]
+
+
+@pytest.fixture
+def proxy(p1, d1) -> Iterator[str]:
+    """A proxy before ``p1`` and ``d1``."""
+    with live_proxy([p1.url], [d1.url]) as url:
+        yield url
+
+
+def down() -> str:
+    """The URL of an instance that is not there (nothing listens on its port)."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """The proxy's samples: (name, sorted labels) -> value."""
+    text = httpx.get(url + "/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _post(url: str, path: str, body: dict, timeout: float = 10, **kwargs) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=timeout, **kwargs)
+
+
+# ------------------------------------------------------------------------ what each side gets
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+def test_prefill_gets_one_token_and_decode_the_request_with_its_params(proxy, p1, d1, path, body):
+    body = {**body, "n": 2, "min_tokens": 2, "best_of": 2, "temperature": 0.5}
+    response = _post(proxy, path, body)
+    assert response.status_code == 200, response.text
+    assert response.json() == whole(path.endswith("chat/completions"), None)
+    (prefill,) = p1.state.received
+    expected = {k: v for k, v in body.items() if k not in ("min_tokens", "best_of")}
+    expected |= {"max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": DO_REMOTE_DECODE}
+    if path.endswith("chat/completions"):
+        expected["max_completion_tokens"] = 1
+    assert (prefill.path, prefill.body) == (path, expected)
+    (decode,) = d1.state.received
+    assert (decode.path, decode.body) == (path, {**body, "kv_transfer_params": REMOTE_PREFILL})
+
+
+@pytest.mark.parametrize(("path", "body"), ROUTES)
+def test_a_stream_passes_through_byte_for_byte(proxy, p1, d1, path, body):
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", proxy + path, json=body, timeout=10) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        received = b"".join(response.iter_raw())
+    assert received == sse(path.endswith("chat/completions"))
+    (prefill,) = p1.state.received
+    assert prefill.body["stream"] is False and "stream_options" not in prefill.body
+    assert d1.state.received[0].body == {**body, "kv_transfer_params": REMOTE_PREFILL}
+
+
+def test_the_openai_client_reads_answers_and_streams_through_the_proxy(proxy):
+    client = openai.OpenAI(base_url=proxy + "/v1", api_key="key", max_retries=0)
+    text = "".join(WORDS)
+    completion = client.completions.create(model=MODEL, prompt="Hi", max_tokens=8)
+    assert completion.choices[0].text == text
+    stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=8, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == text
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    assert chat.choices[0].message.content == text
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, stream=True
+    )
+    assert "".join(chunk.choices[0].delta.content for chunk in stream) == text
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_without_prefill_params_decode_gets_the_request_alone_logged_once(proxy, p1, d1, caplog):
+    p1.state.params = None
+    with caplog.at_level(logging.WARNING, logger="platform_core.proxy"):
+        for _ in range(2):
+            assert _post(proxy, "/v1/completions", COMPLETION).status_code == 200
+    assert [r.body for r in d1.state.received] == [COMPLETION, COMPLETION]
+    told = [r for r in caplog.records if "without kv_transfer_params" in r.getMessage()]
+    assert len(told) == 1
+
+
+def test_authorization_and_request_id_reach_both_sides(proxy, p1, d1):
+    headers = {"authorization": "Bearer user-key", "x-request-id": "req-42"}
+    assert _post(proxy, "/v1/completions", COMPLETION, headers=headers).status_code == 200
+    for instance in (p1, d1):
+        got = instance.state.received[0].headers
+        assert (got["authorization"], got["x-request-id"]) == ("Bearer user-key", "req-42")
+
+
+def test_the_proxys_own_key_guards_all_but_health_and_metrics(p1, d1):
+    with live_proxy([p1.url], [d1.url], api_key="proxy-key") as url:
+        refused = _post(url, "/v1/completions", COMPLETION)
+        assert expect_error(refused, 401)["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert not p1.state.received
+        auth = {"authorization": "Bearer proxy-key"}
+        assert _post(url, "/v1/completions", COMPLETION, headers=auth).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_a_body_that_is_no_json_object_is_a_400(proxy, p1, content):
+    response = httpx.post(proxy + "/v1/completions", content=content, timeout=10)
+    assert expect_error(response, 400)["type"] == "invalid_request_error"
+    assert not p1.state.received
+
+
+# ----------------------------------------------------------------------- refusals and failures
+def test_a_prefill_refusal_goes_back_as_it_is_and_decode_is_not_asked(proxy, p1, d1):
+    p1.state.status = 400
+    response = _post(proxy, "/v1/completions", COMPLETION)
+    assert expect_error(response, 400, "prompt")["message"] == "stub says 400"
+    assert not d1.state.received
+
+
+def test_a_decode_refusal_keeps_its_status(proxy, d1):
+    d1.state.status = 404
+    response = _post(proxy, "/v1/chat/completions", {**CHAT, "stream": True})
+    assert expect_error(response, 404)["message"] == "stub says 404"
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+@pytest.mark.parametrize("how", ["unreachable", "503"])
+def test_a_failing_instance_is_a_502_naming_its_side(p1, d1, side, how):
+    failing = p1 if side == "prefill" else d1
+    urls = {"prefill": p1.url, "decode": d1.url}
+    if how == "unreachable":
+        urls[side] = down()
+    else:
+        failing.state.status = 503
+    with live_proxy([urls["prefill"]], [urls["decode"]]) as url:
+        error = expect_error(_post(url, "/v1/completions", COMPLETION), 502)
+        assert error["message"].startswith(f"the {side} instance {urls[side]} ")
+        assert ("unreachable" if how == "unreachable" else "stub says 503") in error["message"]
+        assert (error["type"], error["code"]) == ("server_error", f"{side}_unavailable")
+        samples = metrics(url)
+    errors = (
+        "platform_core_proxy_upstream_errors_total",
+        (("side", side), ("upstream", urls[side])),
+    )
+    assert samples[errors] == 1
+
+
+def test_a_decode_stream_that_breaks_off_cuts_the_clients(proxy, d1):
+    d1.state.broken = True
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        httpx.stream("POST", proxy + "/v1/completions", json={**COMPLETION, "stream": True}) as r,
+    ):
+        r.read()
+    key = ("platform_core_proxy_upstream_errors_total", (("side", "decode"), ("upstream", d1.url)))
+    wait_for(lambda: metrics(proxy).get(key) == 1, 5, "the broken stream was not counted")
+
+
+# ------------------------------------------------------------------------------------- routing
+def test_round_robin_takes_each_instance_in_turn(stubs):
+    p1, p2, d1, d2 = (stubs[name] for name in ("p1", "p2", "d1", "d2"))
+    with live_proxy([p1.url, p2.url], [d1.url, d2.url]) as url:
+        for i in range(4):
+            body = {**COMPLETION, "prompt": f"prompt {i}"}
+            assert _post(url, "/v1/completions", body).status_code == 200
+    for first, second in ((p1, p2), (d1, d2)):
+        assert [r.body["prompt"] for r in first.state.received] == ["prompt 0", "prompt 2"]
+        assert [r.body["prompt"] for r in second.state.received] == ["prompt 1", "prompt 3"]
+
+
+def test_least_loaded_passes_over_an_instance_busy_with_a_stream(stubs):
+    p1, d1, d2 = stubs["p1"], stubs["d1"], stubs["d2"]
+    d1.state.endless = True
+    body = {**COMPLETION, "stream": True}
+    with (
+        live_proxy([p1.url], [d1.url, d2.url], routing="least-loaded") as url,
+        httpx.stream("POST", url + "/v1/completions", json=body, timeout=10) as held,
+    ):
+        chunks = held.iter_raw()  # kept: dropping the iterator would close the stream
+        next(chunks)  # d1 is streaming (the first of a tie)
+        for _ in range(2):
+            assert _post(url, "/v1/completions", COMPLETION).status_code == 200
+        in_flight = metrics(url)
+    assert (len(d1.state.received), len(d2.state.received)) == (1, 2)
+    gauge = "platform_core_proxy_upstream_in_flight"
+    assert in_flight[(gauge, (("side", "decode"), ("upstream", d1.url)))] == 1
+    assert in_flight[(gauge, (("side", "decode"), ("upstream", d2.url)))] == 0
+
+
+def test_pool_policies_pick_in_turn_and_by_load():
+    turns = UpstreamPool("decode", ["a", "b", "c"], "round-robin")
+    assert [turns.acquire().url for _ in range(4)] == ["a", "b", "c", "a"]  # load is ignored
+    pool = UpstreamPool("decode", ["a", "b", "c"], "least-loaded")
+    a, b = pool.acquire(), pool.acquire()
+    assert (a.url, b.url) == ("a", "b")
+    pool.release(a)
+    assert pool.acquire().url == "c"  # a and c are free: the tie goes in turn
+    assert pool.acquire().url == "a"  # the only free one
+    with pool.lease() as leased:
+        assert leased.in_flight == 2
+    assert [u.in_flight for u in pool.upstreams] == [1, 1, 1]
+
+
+# ----------------------------------------------------------------------------- disconnects
+def test_a_client_that_leaves_mid_stream_closes_the_decode_stream(proxy, d1):
+    d1.state.endless = True
+    body = {**CHAT, "stream": True}
+    with httpx.stream("POST", proxy + "/v1/chat/completions", json=body, timeout=10) as response:
+        assert next(response.iter_raw()).startswith(b"data: ")
+    assert d1.state.closed.wait(5), "the decode instance's stream was left open"
+    gauge = ("platform_core_proxy_upstream_in_flight", (("side", "decode"), ("upstream", d1.url)))
+    left = (
+        "platform_core_proxy_requests_total",
+        (("endpoint", "/v1/chat/completions"), ("outcome", "disconnected")),
+    )
+    wait_for(lambda: metrics(proxy)[left] == 1, 5, "the disconnect was not counted")
+    assert metrics(proxy)[gauge] == 0
+
+
+def test_a_client_that_leaves_during_the_prefill_is_not_decoded(proxy, p1, d1):
+    p1.state.delay = 0.5
+    with pytest.raises(httpx.ReadTimeout):
+        _post(proxy, "/v1/completions", COMPLETION, timeout=0.1)
+    left = (
+        "platform_core_proxy_requests_total",
+        (("endpoint", "/v1/completions"), ("outcome", "disconnected")),
+    )
+    wait_for(lambda: metrics(proxy).get(left) == 1, 5, "the disconnect was not counted")
+    assert len(p1.state.received) == 1 and not d1.state.received
+
+
+# ------------------------------------------------------------------------- health and metrics
+def test_health_is_200_while_each_side_has_a_healthy_instance(p1, d1):
+    gone = down()
+    with live_proxy([gone, p1.url], [d1.url]) as url:
+        response = httpx.get(url + "/health")
+        assert response.status_code == 200, response.text
+        report = response.json()
+        assert report["status"] == "ok"
+        assert report["decode"] == [{"url": d1.url, "healthy": True, "detail": "HTTP 200"}]
+        unreachable, healthy = report["prefill"]
+        assert (unreachable["url"], unreachable["healthy"]) == (gone, False)
+        assert unreachable["detail"].startswith("ConnectError")
+        assert healthy == {"url": p1.url, "healthy": True, "detail": "HTTP 200"}
+        d1.state.health = 503
+        response = httpx.get(url + "/health")
+        assert response.status_code == 503
+        assert response.json()["status"] == "unavailable"
+        assert response.json()["decode"][0] == {
+            "url": d1.url,
+            "healthy": False,
+            "detail": "HTTP 503",
+        }
+
+
+def test_metrics_count_requests_by_outcome_and_time_both_sides(proxy, p1):
+    for _ in range(2):
+        assert _post(proxy, "/v1/completions", COMPLETION).status_code == 200
+    p1.state.status = 400
+    assert _post(proxy, "/v1/completions", COMPLETION).status_code == 400
+    assert _post(proxy, "/v1/chat/completions", {**CHAT, "stream": True}).status_code == 400
+    samples = metrics(proxy)
+
+    def requests(endpoint: str, outcome: str) -> float:
+        labels = (("endpoint", endpoint), ("outcome", outcome))
+        return samples[("platform_core_proxy_requests_total", labels)]
+
+    assert requests("/v1/completions", "success") == 2
+    assert requests("/v1/completions", "client_error") == 1
+    assert requests("/v1/chat/completions", "client_error") == 1
+    assert samples[("platform_core_proxy_prefill_latency_seconds_count", ())] == 4
+    assert samples[("platform_core_proxy_decode_time_to_first_byte_seconds_count", ())] == 2
+    assert samples[("platform_core_proxy_decode_time_to_first_byte_seconds_sum", ())] > 0
+
+
+# ------------------------------------------------------------------ the command and its module
+# ``platform-core proxy`` without the main command's imports (torch: seconds to start); that
+# ``main`` registers it is checked with its parser below.
+PROXY = """
+import argparse, sys
+from platform_core.cli.proxy import add_proxy_parser
+parser = argparse.ArgumentParser()
+add_proxy_parser(parser.add_subparsers())
+args = parser.parse_args(sys.argv[1:])
+sys.exit(args.func(args))
+"""
+
+
+def test_the_proxy_command_serves(p1, d1):
+    port = free_port()
+    command = [sys.executable, "-c", PROXY, "proxy", "--prefill", p1.url]
+    command += ["--decode", d1.url, down(), "--port", str(port)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+
+        def healthy() -> bool:
+            assert process.poll() is None, process.stderr.read()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, 20, "the proxy did not start")
+        url = f"http://127.0.0.1:{port}"
+        assert _post(url, "/v1/completions", COMPLETION).json()["choices"][0]["text"]
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_the_command_line_and_config_are_checked():
+    args = build_parser().parse_args(
+        ["proxy", "--prefill", "http://p:1/", "--decode", "http://d:1", "https://d:2"]
+    )
+    assert args.func.__module__ == "platform_core.cli.proxy"
+    assert (args.prefill, args.decode, args.routing) == (
+        ["http://p:1/"],
+        ["http://d:1", "https://d:2"],
+        "round-robin",
+    )
+    assert ProxyConfig(("http://p:1/",), ("http://d:1",)).prefill == ("http://p:1",)
+    for bad in (
+        {"prefill": ()},
+        {"decode": ("d:1",)},
+        {"routing": "random"},
+        {"api_key": " "},
+        {"connect_timeout": 0},
+    ):
+        with pytest.raises(ConfigError):
+            ProxyConfig(**{"prefill": ("http://p:1",), "decode": ("http://d:1",), **bad})
+
+
+def test_the_proxy_imports_neither_the_engine_nor_torch():
+    code = (
+        "import sys; import platform_core.cli.proxy, platform_core.entrypoints.proxy.app; "
+        "print(sorted(m for m in sys.modules if m.startswith(('platform_core.engine', 'torch'))))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
