@@ -242,6 +242,7 @@ def test_socket_and_shared_memory_connectors_pair_engines(colocated, model, conn
     assert tokens(output) == reference(colocated, prompt)
     stats = consumer.engine.stats()
     assert stats["kv_transfer_blocks_received"] == 6  # 86 tokens: the sixth block partly
+    assert 0 < stats["kv_transfer_latency_p50_s"] <= stats["kv_transfer_latency_p99_s"]
     settle(producer)  # its next steps report what it served
     assert stats["kv_transfer_bytes_received"] == producer.engine.stats()["kv_transfer_bytes_sent"]
     settle(consumer)

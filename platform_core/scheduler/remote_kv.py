@@ -42,13 +42,21 @@ class RemoteKVStats:
     num_holds: int = 0
     num_hold_timeouts: int = 0
     transfer: TransferStats = field(default_factory=TransferStats)  # latencies left empty
-    # the latest loads' durations (for percentiles)
+    # the latest loads' durations, and their percentiles (kept current: stats are read per step)
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    latency_p50_s: float = 0.0
+    latency_p99_s: float = 0.0
+
+    def add_latencies(self, seconds: list[float]) -> None:
+        """Record finished loads' durations and update the percentiles."""
+        self.latencies_s.extend(seconds)
+        ordered = sorted(self.latencies_s)
+        self.latency_p50_s = _percentile(ordered, 0.50)
+        self.latency_p99_s = _percentile(ordered, 0.99)
 
     def as_dict(self, num_loading: int, num_held: int) -> dict[str, float | int]:
         """Flat ``kv_transfer_*`` counters for the engine's stats."""
         t = self.transfer
-        latencies = sorted(self.latencies_s)
         return {
             "kv_transfer_loading": num_loading,
             "kv_transfer_held": num_held,
@@ -63,8 +71,8 @@ class RemoteKVStats:
             "kv_transfer_blocks_sent": t.blocks_sent,
             "kv_transfer_failed_blocks": t.failed_blocks,
             "kv_transfer_failed_transfers": t.failed_transfers,
-            "kv_transfer_latency_p50_s": _percentile(latencies, 0.50),
-            "kv_transfer_latency_p99_s": _percentile(latencies, 0.99),
+            "kv_transfer_latency_p50_s": self.latency_p50_s,
+            "kv_transfer_latency_p99_s": self.latency_p99_s,
         }
 
 
@@ -169,8 +177,9 @@ class RemoteKV:
 
     def update(self, output: KVConnectorOutput) -> list[Request]:
         """Apply the worker's report; the loaded requests, ready to be scheduled (in order)."""
-        self.stats.latencies_s.extend(output.stats.latencies_s)
-        output.stats.latencies_s = []
+        if output.stats.latencies_s:
+            self.stats.add_latencies(output.stats.latencies_s)
+            output.stats.latencies_s = []
         self.stats.transfer.add(output.stats)
         for request_id in output.finished_sending:
             if self.held.pop(request_id, None) is not None:
