@@ -1,16 +1,19 @@
 """Whole tiny models for the quantization tests: one greedy run of the same prompts, its
-tokens and logprobs compared, and FP8 copies of a model directory."""
+tokens and logprobs compared, and FP8 copies of a model directory (16/32-bit, or stored in
+FP8 with their scales)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors.torch import load_file, save_file
 
 from platform_core import LLM, SamplingParams
-from platform_core.quantization.formats import FP8_E4M3, dequantize, quantize
+from platform_core.quantization.formats import FP8_E4M3, FP8_MAX, dequantize, quantize
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 PROMPTS = [[3, 17, 5], [9] * 21, list(range(4, 40))]
@@ -64,5 +67,35 @@ def fp8_exact_copy(model_dir: Path, out: Path) -> Path:
     for name, value in tensors.items():
         if name.endswith("proj.weight"):
             tensors[name] = dequantize(quantize(value, FP8_E4M3), FP8_E4M3).to(value.dtype)
+    save_file(tensors, out / "model.safetensors", {"format": "pt"})
+    return out
+
+
+def write_fp8_checkpoint(
+    model_dir: Path,
+    out: Path,
+    config: dict,
+    per_tensor: Callable[[str], bool],
+    dense: Callable[[str], bool] = lambda _name: False,
+    tensor_scale_shape: tuple[int, ...] = (),
+    input_scale: bool = True,
+) -> Path:
+    """``model_dir`` stored in FP8 under ``quantization_config`` ``config``: each linear's weight
+    but the ``dense`` ones as float8 e4m3 with a float32 ``weight_scale``, one (of shape
+    ``tensor_scale_shape``) for the tensor where ``per_tensor`` names it, else one per output row
+    (``[out, 1]``); with ``input_scale``, a static activation scale (1) beside each."""
+    copy_config(model_dir, out, config)
+    tensors = load_file(model_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("proj.weight") and not dense(n)]:
+        weight = tensors[name].float()
+        if per_tensor(name):
+            amax = weight.abs().max().reshape(tensor_scale_shape)
+        else:
+            amax = weight.abs().amax(1, keepdim=True)
+        scale = amax / FP8_MAX
+        tensors[name] = (weight / scale).to(torch.float8_e4m3fn)
+        tensors[f"{name}_scale"] = scale
+        if input_scale:
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(1.0)
     save_file(tensors, out / "model.safetensors", {"format": "pt"})
     return out

@@ -12,12 +12,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from quantized_models import LINEARS_PER_MODEL, assert_same, copy_config, generate
+from quantized_models import (
+    LINEARS_PER_MODEL,
+    assert_same,
+    copy_config,
+    generate,
+    write_fp8_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 
 from platform_core import LLM
 from platform_core.errors import ModelLoadError
-from platform_core.quantization.formats import FP8_MAX, fp8_rows
+from platform_core.quantization.formats import fp8_rows
 
 FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "static"}
 
@@ -26,18 +32,8 @@ def _write_fp8_checkpoint(model_dir: Path, out: Path, config: dict = FP8_CONFIG)
     """``model_dir`` stored in FP8 the Hugging Face way: each linear's weight as float8 e4m3
     with a float32 ``weight_scale``, one per output row, but one for the whole tensor in the
     ``q_proj`` and ``down_proj`` weights; a static ``input_scale`` beside each."""
-    copy_config(model_dir, out, config)
-    tensors = load_file(model_dir / "model.safetensors")
-    for name in [n for n in tensors if n.endswith("proj.weight")]:
-        weight = tensors[name].float()
-        per_tensor = name.endswith(("q_proj.weight", "down_proj.weight"))
-        amax = weight.abs().max() if per_tensor else weight.abs().amax(1, keepdim=True)
-        scale = amax / FP8_MAX
-        tensors[name] = (weight / scale).to(torch.float8_e4m3fn)
-        tensors[f"{name}_scale"] = scale
-        tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(1.0)
-    save_file(tensors, out / "model.safetensors", {"format": "pt"})
-    return out
+    per_tensor = ("q_proj.weight", "down_proj.weight")
+    return write_fp8_checkpoint(model_dir, out, config, lambda name: name.endswith(per_tensor))
 
 
 def _dequantized_copy(fp8_dir: Path, out: Path) -> Path:

@@ -10,7 +10,8 @@ filled from ``quantized/model.safetensors`` instead of the dequantized tensors o
 a quantized weight read from 16/32-bit tensors (``"int8"``, ``"int4"``, ``"fp8"``) is quantized
 as it is read, this rank's part only (an FP8 column shard reads its rows whole: each row's scale
 is the whole row's). Float8 weights with their scales (:mod:`.fp8_checkpoint`) are kept as stored
-in FP8 layers and dequantized as they are read into any other.
+in FP8 layers and dequantized as they are read into any other; with ``"fp8"`` the linears an FP8
+checkpoint stores 16/32-bit (a compressed-tensors ``ignore`` list) stay 16/32-bit.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from platform_core.distributed.parallel_state import TPGroup
 from platform_core.errors import ConfigError, ModelLoadError
 from platform_core.layers.sharding import Placement, Shard, whole_placement
 from platform_core.models.checkpoint_names import checkpoint_names
-from platform_core.models.fp8_checkpoint import row_scales, scale_tensors
+from platform_core.models.fp8_checkpoint import fp8_scheme, row_scales, scale_tensors
 from platform_core.models.quantized_checkpoint import QUANTIZED_FILE, quantized_formats
 from platform_core.models.quantized_weights import (
     LOAD_TIME_FORMATS,
@@ -90,7 +91,11 @@ def load_model(
             )
         blocks = frozenset(keep_weights_quantized(model, formats).kept)
     elif quantization in LOAD_TIME_FORMATS:
-        keep_weights_quantized(model, load_time_formats(model, quantization), quantization)
+        formats = load_time_formats(model, quantization)
+        scheme = fp8_scheme(Path(model_dir)) if quantization == "fp8" else None
+        if scheme is not None:  # the linears an FP8 checkpoint stores 16/32-bit stay so
+            formats = {name: fmt for name, fmt in formats.items() if scheme.quantizes(name)}
+        keep_weights_quantized(model, formats, quantization)
     if quantization not in (None, "none"):
         op = (op_overrides or {}).get("quantized_linear")
         log_reference_formats(model, op, quantization)

@@ -76,6 +76,7 @@ def log_reference_formats(model: nn.Module, op: QuantizedLinearFn | None, mode: 
 # mode -> the linears' format; and the embedding's and output head's (none: 16/32-bit)
 LOAD_TIME_FORMATS = {"int8": "Q8_0", "int4": "Q4_1", "fp8": "FP8_E4M3"}
 _TABLE_FORMATS = {"int8": "Q8_0", "int4": "Q8_0"}
+_UNQUANTIZED = "16/32-bit"  # a fused part stored so, beside quantized ones
 
 
 def load_time_formats(model: nn.Module, mode: str) -> dict[str, str]:
@@ -107,7 +108,8 @@ def keep_weights_quantized(
         if stored == {None}:
             continue  # stored 16/32-bit
         if len(stored) > 1:
-            why = f"its parts are stored in different formats ({sorted(map(str, stored))})"
+            shown = sorted(str(fmt or _UNQUANTIZED) for fmt in stored)
+            why = f"its parts are stored in different formats ({shown})"
             outcome.dequantized.update(dict.fromkeys(names, why))
             continue
         (type_name,) = stored
@@ -130,7 +132,11 @@ def keep_weights_quantized(
         outcome.dequantized[name] = "no layer of the model computes on it quantized"
     for name, why in sorted(outcome.dequantized.items()):
         logger.info(
-            "quantization %s: %s (%s) is not kept quantized: %s", mode, name, formats[name], why
+            "quantization %s: %s (%s) is not kept quantized: %s",
+            mode,
+            name,
+            formats.get(name, _UNQUANTIZED),
+            why,
         )
     logger.info(
         "quantization %s: %s; %d tensor(s) not kept quantized",
