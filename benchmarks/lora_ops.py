@@ -1,11 +1,14 @@
-"""The CPU backend's ``lora_shrink`` and ``lora_expand`` beside the core's reference ops, per call.
+"""The CPU backend's ``lora_shrink`` and ``lora_expand`` (its compiled kernels and its torch path)
+beside the core's reference ops, per call.
 
 Projections of the shapes a LoRA'd model runs (SmolLM2-135M's q/k/v, gate/up and down, a 1B
 model's q/k/v; ``--shapes``), four adapters loaded, in float32 and bfloat16, for decode-like
 steps (``T`` tokens, each its own request, adapters in turn: slots ``t % 4``) and prefill-like
 steps (a few segments of 128-512 tokens, one on the base model). Each cell is the best of
 ``--repeats`` rounds of calls (as many as fit in about ``--round-ms``; the two sides' rounds
-alternate), in microseconds; the ratio is reference / CPU path (above 1: the CPU path is faster):
+alternate), in microseconds, for the reference, the torch path and the compiled kernels of the
+level the backend runs; the ratios are reference / compiled and torch path / compiled (above 1:
+the compiled kernel is faster):
 
     python benchmarks/lora_ops.py [--ranks 8,16,64] [--shapes smol-qkv,1b-qkv] [--threads 2]
 """
@@ -19,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 from platform_core_cpu.isa import host_isa
+from platform_core_cpu.kernels import load_kernels
 from platform_core_cpu.lora_ops import CpuLoRAOps
 
 from platform_core.backend_api import LoRAMapping, LoRASegment, lora_expand, lora_shrink
@@ -76,16 +80,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--round-ms", type=float, default=100.0)
     args = parser.parse_args()
+    isa = host_isa()
+    build = load_kernels(isa.level)
+    if build.ops is None:
+        raise SystemExit(f"the {isa.level} kernels did not build: {build.reason}")
     # One step's grouping is made on the first call and shared by the rest, as in the engine.
-    cpu = CpuLoRAOps()
+    torch_path, compiled = CpuLoRAOps(), CpuLoRAOps(build.ops)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    print(f"{host_isa().describe()}; {args.threads} threads; {ADAPTERS} adapters loaded\n")
+    print(f"{isa.describe()}; {args.threads} threads; {ADAPTERS} adapters loaded\n")
     print(
-        "| shape | dtype | rank | step | shrink ref us | cpu us | ratio "
-        "| expand ref us | cpu us | ratio |"
+        "| shape | dtype | rank | step | shrink ref us | torch | compiled | ref/comp | torch/comp "
+        "| expand ref us | torch | compiled | ref/comp | torch/comp |"
     )
-    print("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---|" + "---:|" * 10)
     for shape in args.shapes.split(","):
         inputs, slice_sizes = SHAPES[shape]
         parts, outputs = len(slice_sizes), sum(slice_sizes)
@@ -106,7 +114,7 @@ def main() -> None:
                     shrink = best_us(
                         tuple(
                             functools.partial(op, *shrink_args)
-                            for op in (lora_shrink, cpu.shrink)
+                            for op in (lora_shrink, torch_path.shrink, compiled.shrink)
                         ),
                         args.repeats,
                         args.round_ms,
@@ -114,16 +122,22 @@ def main() -> None:
                     expand = best_us(
                         tuple(
                             functools.partial(op, *expand_args)
-                            for op in (lora_expand, cpu.expand)
+                            for op in (lora_expand, torch_path.expand, compiled.expand)
                         ),
                         args.repeats,
                         args.round_ms,
                     )
-                    print(
-                        f"| {shape} | {str(dtype)[6:]} | {rank} | {step} | {shrink[0]:.0f} | "
-                        f"{shrink[1]:.0f} | {shrink[0] / shrink[1]:.2f} | {expand[0]:.0f} | "
-                        f"{expand[1]:.0f} | {expand[0] / expand[1]:.2f} |"
-                    )
+                    cells = f"{_cells(shrink)} | {_cells(expand)}"
+                    print(f"| {shape} | {str(dtype)[6:]} | {rank} | {step} | {cells} |")
+
+
+def _cells(times: list[float]) -> str:
+    """Reference, torch path and compiled times, then reference and torch path over compiled."""
+    ref, torch_path, compiled = times
+    return (
+        f"{ref:.0f} | {torch_path:.0f} | {compiled:.0f} | {ref / compiled:.2f} | "
+        f"{torch_path / compiled:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ and einsum, the CPU backend's path (slot groups, GEMMs in the model's dtype) and
 backends' Triton kernels (under the interpreter, in a child process: this file run as a script,
 as ``test_token_bitmask.py`` does) against the reference, and the edge cases of the contract.
 
-The CPU path is torch only (oneDNN/BLAS GEMMs), no kernel of ours, so it has no per-ISA build to
-force here; the compiled kernels' levels are tested where they are used."""
+The CPU backend has two paths: its compiled kernels (``csrc/lora.cpp``), checked here on the
+build of every ISA level this CPU runs, and torch ops over slot groups (oneDNN/BLAS GEMMs), which
+it runs where the kernels are not built or take not the dtypes."""
 
 from __future__ import annotations
 
@@ -71,12 +72,16 @@ def make_case(
 
 DECODE = [3, -1, 0, 0, 2, 1, -1, 3, 1, 2, 0]
 PREFILL = [2] * 70 + [-1] * 9 + [0] * 20 + [2] * 66 + [1] * 3  # slot 2 in two segments
+LONG_SEGMENT = [0] * 130 + [-1] * 3 + [1, 2, 1, 3, 0]  # slot 0: a long segment and a token
 CASES = {
     "one-token": ([1], 67, (64, 16, 33), 8),
     "decode-s2-r16": (DECODE, 64, (40, 24), 16),
     "decode-s1-r1": (DECODE, 33, (37,), 1),
     "prefill-s3-r8": (PREFILL, 96, (64, 16, 33), 8),
     "prefill-s1-r16": (PREFILL, 48, (80,), 16),
+    # parts wider than the compiled expand's column chunk, widths and a rank off its vectors
+    "long-segment-s2-r8": (LONG_SEGMENT, 40, (24, 40), 8),
+    "wide-s2-r40": (DECODE, 70, (200, 131), 40),
     "all-base": ([-1] * 5, 32, (16, 8), 8),
     "no-tokens": ([], 32, (16, 8, 8), 8),
 }
@@ -166,14 +171,37 @@ def test_the_backend_api_exports_the_ops_and_their_types():
     assert backend_api.LoRASegment is LoRASegment
 
 
-def _cpu_ops() -> tuple:
+def _cpu_ops(level: str | None = None) -> tuple:
+    """The CPU backend's ops: the torch path (``level`` None) or the compiled kernels of
+    ``level``."""
     lora_ops = pytest.importorskip("platform_core_cpu.lora_ops", reason="pip install backends/cpu")
-    ops = lora_ops.CpuLoRAOps()
+    compiled = None
+    if level is not None:
+        from platform_core_cpu import kernels
+
+        build = kernels.load_kernels(level)
+        assert build.ops is not None, f"the {level} kernels must build here: {build.reason}"
+        compiled = build.ops
+    ops = lora_ops.CpuLoRAOps(compiled)
     return ops.shrink, ops.expand
 
 
+def _cpu_levels() -> list[str]:
+    try:
+        from platform_core_cpu.isa import host_isa
+    except ImportError:
+        return []
+    return list(host_isa().supported)
+
+
 REFERENCE = (lora_shrink, lora_expand)
-OPS = {"reference": lambda: REFERENCE, "cpu": _cpu_ops}
+CPU_LEVELS = _cpu_levels()
+OPS = {
+    "reference": lambda: REFERENCE,
+    "cpu-torch": _cpu_ops,
+    **{f"cpu-{level}": lambda level=level: _cpu_ops(level) for level in CPU_LEVELS},
+}
+CPU_PATHS = [name for name in OPS if name != "reference"]
 
 
 @pytest.fixture(params=list(OPS))
@@ -181,10 +209,11 @@ def ops(request: pytest.FixtureRequest) -> tuple:
     return OPS[request.param]()
 
 
+@pytest.mark.parametrize("path", CPU_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(CASES))
-def test_the_cpu_path_matches_the_reference(name, dtype):
-    shrink, expand = _cpu_ops()
+def test_the_cpu_path_matches_the_reference(name, dtype, path):
+    shrink, expand = OPS[path]()
     case = case_of(name, dtype)
     want = lora_shrink(case.x, case.lora_a, case.mapping)
     got = shrink(case.x, case.lora_a, case.mapping)
@@ -203,6 +232,8 @@ def test_the_cpu_path_groups_tokens_by_slot_once_per_step():
     rows, count = by_slot[2]
     assert count == 136 and rows.tolist() == [*range(70), *range(99, 165)]
     assert step.padded is None  # 136 tokens beside 20 and 3: padding would triple the rows
+    # With the compiled kernels every token runs in them: no segment has MIN_GEMM_ROWS tokens.
+    assert step.long == () and step.short_slots.tolist() == PREFILL
     decode = ops.groups(mapping_of(DECODE), torch.device("cpu"))
     assert decode is not step
     padded = decode.padded
@@ -211,15 +242,28 @@ def test_the_cpu_path_groups_tokens_by_slot_once_per_step():
     grid = padded.grid.view(-1)
     assert sorted(grid[padded.real].tolist()) == [i for i, s in enumerate(DECODE) if s >= 0]
     assert torch.equal(grid[padded.real], padded.tokens)
+    assert decode.long == () and decode.short_slots.tolist() == DECODE
+    # A segment of at least MIN_GEMM_ROWS tokens runs torch's GEMMs: the kernels see its
+    # tokens as the base model's, and run the other token of its slot.
+    assert lora_ops.MIN_GEMM_ROWS <= 130
+    step = ops.groups(mapping_of(LONG_SEGMENT), torch.device("cpu"))
+    assert [(group.slot, group.rows) for group in step.long] == [(0, slice(0, 130))]
+    assert step.short_slots.tolist() == [-1] * 130 + LONG_SEGMENT[130:]
+    assert ops.groups(mapping_of([0] * 200), torch.device("cpu")).short_slots is None
 
 
 def test_the_cpu_backend_offers_the_ops():
     plugin = pytest.importorskip("platform_core_cpu.plugin")
     from platform_core_cpu.lora_ops import CpuLoRAOps
 
-    overrides = plugin.CpuBackend().op_overrides()
-    assert isinstance(overrides["lora_shrink"].__self__, CpuLoRAOps)
-    assert overrides["lora_expand"].__self__ is overrides["lora_shrink"].__self__
+    backend = plugin.CpuBackend()
+    overrides = backend.op_overrides()
+    ops = overrides["lora_shrink"].__self__
+    assert isinstance(ops, CpuLoRAOps)
+    assert overrides["lora_expand"].__self__ is ops
+    # The compiled kernels where the backend has them (the default here), else the torch path.
+    assert ops._compiled is backend.attention.compiled_ops()
+    assert ops._compiled is not None
 
 
 def test_no_segments_and_no_tokens(ops):

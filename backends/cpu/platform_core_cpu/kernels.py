@@ -9,8 +9,8 @@ when its library still has the sha256 recorded when it last loaded; an interrupt
 record) or a damaged library is discarded and compiled again (:func:`build_problem`). Each level
 registers its ops in its own namespace, ``torch.ops.platform_core_cpu_<level>.{paged_attention,
 write_kv, rms_norm, silu_and_mul, rotary, linear_bf16, quantized_linear, argmax_rows,
-apply_token_bitmask}``, so one process can load several levels (the tests check every level the
-CPU runs against the reference).
+apply_token_bitmask, lora_shrink, lora_expand}``, so one process can load several levels (the
+tests check every level the CPU runs against the reference).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ SOURCES = (
     "quantized_linear.cpp",
     "argmax.cpp",
     "token_bitmask.cpp",
+    "lora.cpp",
     "ops.cpp",
 )
 HEADERS = (

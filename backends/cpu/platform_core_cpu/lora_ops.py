@@ -1,9 +1,18 @@
 """LoRA shrink and expand for the CPU backend, as op overrides (``"lora_shrink"``,
 ``"lora_expand"``).
 
-The tokens of a step are grouped by adapter slot once per step, from the mapping's segments (no
-look at ``token_slots``), and the grouping is reused by every projection of the step (the
-layers all receive the same ``LoRAMapping`` object). Two ways to run the groups:
+With the compiled kernels (``torch.ops.platform_core_cpu_<level>.lora_shrink`` /
+``lora_expand``, ``csrc/lora.cpp``) each token is read with its own slot's weights in place:
+no gathered copies, no float32 copies of the weights, no scatter back, the deltas added to
+the output rows and rounded once. They run every token but those of segments of at least
+``MIN_GEMM_ROWS`` tokens (a prompt's chunk), where torch's GEMMs on the segment's rows are
+faster (not so for a slot's many short segments, which would need a gather and a scatter).
+They take float32 and bf16; other dtypes, and the torch path (no compiled kernels), run the
+torch ops below on every group.
+
+The torch path groups a step's tokens by adapter slot once per step, from the mapping's
+segments (no look at ``token_slots``), and the grouping is reused by every projection of the
+step (the layers all receive the same ``LoRAMapping`` object). Two ways to run the groups:
 
 - **balanced** short groups (a decode batch: many requests, a token or a few each, spread
   over the adapters) run as one batched GEMM per op (and per part for expand) over the groups
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -41,6 +51,9 @@ MAX_BATCHED_ROWS = 64
 # A segment of at least this many tokens expands with 16-bit GEMMs into a 16-bit output
 # (float32 accumulation; shorter ones widen to float32, where torch's small GEMMs are faster).
 MIN_16BIT_GEMM_ROWS = 64
+# With the compiled kernels, a segment of at least this many tokens runs torch's GEMMs (the
+# kernels are faster below it: ``benchmarks/lora_ops.py``).
+MIN_GEMM_ROWS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +80,14 @@ class PaddedGroups:
 
 @dataclass(frozen=True, slots=True)
 class StepGroups:
-    """How one step's tokens are grouped by slot."""
+    """How one step's tokens are grouped by slot. ``long`` are the segments of at least
+    ``MIN_GEMM_ROWS`` tokens, as groups; ``short_slots`` is each token's slot for the compiled
+    kernels, -1 for the tokens of long segments (``None`` when no token is left)."""
 
     groups: tuple[SlotGroup, ...]
     padded: PaddedGroups | None
+    long: tuple[SlotGroup, ...]
+    short_slots: torch.Tensor | None
 
 
 def group_tokens(mapping: LoRAMapping, device: torch.device) -> StepGroups:
@@ -109,15 +126,38 @@ def group_tokens(mapping: LoRAMapping, device: torch.device) -> StepGroups:
             tokens=tensor([i for tokens in indices for i in tokens]),
             grid_of_token=tensor(grid_of_token),
         )
-    return StepGroups(tuple(groups), padded)
+    long = tuple(
+        SlotGroup(segment.slot, slice(segment.start, segment.end), segment.end - segment.start)
+        for segment in mapping.segments
+        if segment.end - segment.start >= MIN_GEMM_ROWS
+    )
+    short_slots = None
+    if sum(group.count for group in long) < total:
+        short_slots = mapping.token_slots.to(device=device, dtype=torch.int32)
+        if long:
+            short_slots = short_slots.clone()
+            for group in long:
+                short_slots[group.rows] = -1
+        short_slots = short_slots.contiguous()
+    return StepGroups(tuple(groups), padded, long, short_slots)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _kernel_takes(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype in _KERNEL_DTYPES and t.device.type == "cpu" for t in tensors)
 
 
 class CpuLoRAOps:
-    """The two ops, sharing each step's grouping (``shrink`` and ``expand`` are the op
-    overrides). The grouping of the last mapping seen is kept: the mappings of consecutive
-    steps are different objects, so it is never reused across steps."""
+    """The two ops (``shrink`` and ``expand`` are the op overrides): the compiled kernels of
+    ``compiled`` (a ``torch.ops`` namespace, or ``None`` on the torch path) where they take the
+    dtypes, else torch ops sharing each step's grouping. The grouping of the last mapping seen
+    is kept: the mappings of consecutive steps are different objects, so it is never reused
+    across steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: Any = None) -> None:
+        self._compiled = compiled
         self._last: tuple[LoRAMapping, StepGroups] | None = None
 
     def groups(self, mapping: LoRAMapping, device: torch.device) -> StepGroups:
@@ -133,8 +173,19 @@ class CpuLoRAOps:
         """``lora_shrink`` (:data:`platform_core.layers.lora.LoRAShrinkFn`)."""
         check_lora_shrink_args(x, lora_a, mapping)
         parts, rank, inputs = lora_a.shape[1:]
-        rows = torch.zeros(x.shape[0], parts * rank, dtype=torch.float32, device=x.device)
         step = self.groups(mapping, x.device)
+        if self._compiled is not None and _kernel_takes(x, lora_a):
+            rows = torch.empty(x.shape[0], parts * rank, dtype=torch.float32, device=x.device)
+            if step.short_slots is None:
+                rows.zero_()
+            else:
+                self._compiled.lora_shrink(
+                    x.contiguous(), lora_a.contiguous(), step.short_slots, rows
+                )
+            for group in step.long:
+                _shrink_group(rows, x, lora_a, group)
+            return rows.view(x.shape[0], parts, rank).transpose(0, 1)
+        rows = torch.zeros(x.shape[0], parts * rank, dtype=torch.float32, device=x.device)
         padded = step.padded
         if padded is not None:
             count, width = padded.grid.shape
@@ -145,8 +196,7 @@ class CpuLoRAOps:
             rows.index_copy_(0, padded.tokens, real)
         else:
             for group in step.groups:
-                weights = lora_a[group.slot].reshape(parts * rank, inputs).float()
-                rows[group.rows] = _rows_of(x, group.rows).float() @ weights.T
+                _shrink_group(rows, x, lora_a, group)
         return rows.view(x.shape[0], parts, rank).transpose(0, 1)
 
     def expand(
@@ -160,8 +210,25 @@ class CpuLoRAOps:
         """``lora_expand`` (:data:`platform_core.layers.lora.LoRAExpandFn`)."""
         check_lora_expand_args(out, buffer, lora_b, slice_sizes, mapping)
         step = self.groups(mapping, out.device)
-        padded = step.padded
         by_token = buffer.transpose(0, 1)  # [T, S, R]
+        if (
+            self._compiled is not None
+            and _kernel_takes(out, lora_b)
+            and buffer.dtype == torch.float32
+            and out.stride(1) == 1
+        ):
+            if step.short_slots is not None:
+                self._compiled.lora_expand(
+                    out,
+                    buffer if buffer.stride(2) == 1 else buffer.contiguous(),
+                    lora_b.contiguous(),
+                    step.short_slots,
+                    list(slice_sizes),
+                )
+            for group in step.long:
+                _expand_group(out, by_token, lora_b, slice_sizes, group)
+            return
+        padded = step.padded
         if padded is not None:
             count, width = padded.grid.shape
             picked = by_token.index_select(0, padded.grid.view(-1)).float()
@@ -178,25 +245,45 @@ class CpuLoRAOps:
             out.add_(deltas.index_select(0, padded.grid_of_token).to(out.dtype))
             return
         for group in step.groups:
-            in_place = out.dtype == torch.float32 or group.count >= MIN_16BIT_GEMM_ROWS
-            if in_place and isinstance(group.rows, slice):
-                # One segment: GEMMs straight into out's rows, in its dtype.
-                weights = lora_b[group.slot].to(out.dtype)
-                picked = by_token[group.rows].to(out.dtype)
-                for part, start, size in _parts(slice_sizes):
-                    target = out[group.rows, start : start + size]
-                    target.addmm_(picked[:, part], weights[start : start + size].T)
-                continue
-            weights = lora_b[group.slot].float()
-            picked = _rows_of(by_token, group.rows).float()
-            deltas = torch.cat(
-                [
-                    picked[:, part] @ weights[start : start + size].T
-                    for part, start, size in _parts(slice_sizes)
-                ],
-                dim=1,
-            )
-            _add_rows(out, group.rows, deltas)
+            _expand_group(out, by_token, lora_b, slice_sizes, group)
+
+
+def _shrink_group(
+    rows: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, group: SlotGroup
+) -> None:
+    """``rows[group's tokens] = x[those tokens] @ A[slot].T`` (``rows`` float32 ``[T, S * R]``)."""
+    weights = lora_a[group.slot].reshape(rows.shape[1], lora_a.shape[3]).float()
+    rows[group.rows] = _rows_of(x, group.rows).float() @ weights.T
+
+
+def _expand_group(
+    out: torch.Tensor,
+    by_token: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+    group: SlotGroup,
+) -> None:
+    """Add the deltas of ``group``'s tokens to their rows of ``out`` (``by_token`` is the shrink
+    buffer as ``[T, S, R]``)."""
+    in_place = out.dtype == torch.float32 or group.count >= MIN_16BIT_GEMM_ROWS
+    if in_place and isinstance(group.rows, slice):
+        # One segment: GEMMs straight into out's rows, in its dtype.
+        weights = lora_b[group.slot].to(out.dtype)
+        picked = by_token[group.rows].to(out.dtype)
+        for part, start, size in _parts(slice_sizes):
+            target = out[group.rows, start : start + size]
+            target.addmm_(picked[:, part], weights[start : start + size].T)
+        return
+    weights = lora_b[group.slot].float()
+    picked = _rows_of(by_token, group.rows).float()
+    deltas = torch.cat(
+        [
+            picked[:, part] @ weights[start : start + size].T
+            for part, start, size in _parts(slice_sizes)
+        ],
+        dim=1,
+    )
+    _add_rows(out, group.rows, deltas)
 
 
 def _parts(slice_sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:

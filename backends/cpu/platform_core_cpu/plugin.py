@@ -92,16 +92,16 @@ class CpuBackend(Backend):
         (:class:`~platform_core_cpu.linear.CpuLinear`; other dtypes are unchanged), and the
         compiled fused RMS norm, SiLU-and-multiply, rotary, argmax, token bitmask and quantized
         linear (:mod:`~platform_core_cpu.quantized_linear`), unless on the torch path; LoRA
-        shrink and expand on the step's slot groups (:mod:`~platform_core_cpu.lora_ops`) on
-        every path."""
+        shrink and expand (:mod:`~platform_core_cpu.lora_ops`) on every path: compiled where
+        the kernels are, else torch ops over the step's slot groups."""
         from platform_core_cpu.layer_ops import fused_layer_ops
         from platform_core_cpu.linear import CpuLinear
         from platform_core_cpu.lora_ops import CpuLoRAOps
         from platform_core_cpu.quantized_linear import compiled_quantized_linear
 
-        lora = CpuLoRAOps()
-        overrides: dict[str, Any] = {"lora_shrink": lora.shrink, "lora_expand": lora.expand}
         compiled = self.attention.compiled_ops()
+        lora = CpuLoRAOps(compiled)
+        overrides: dict[str, Any] = {"lora_shrink": lora.shrink, "lora_expand": lora.expand}
         packed = packed_linear_available()
         if packed or compiled is not None:
             linear = CpuLinear(

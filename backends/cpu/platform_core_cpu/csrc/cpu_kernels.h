@@ -50,6 +50,16 @@ at::Tensor argmax_rows(const at::Tensor& x);
 void apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitmask,
                          const at::Tensor& rows);
 
+// LoRA shrink: out[t] = lora_a[slot(t)] (as [S * R, in]) @ x[t] for float32 out [T, S * R],
+// zero rows for tokens of slot -1; x [T, in] and lora_a [L, S, R, in] float32 or bf16.
+void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& token_slots,
+                 const at::Tensor& out);
+
+// LoRA expand: out[t, part s] += buffer[s, t] @ lora_b[slot(t), rows of part s].T in place,
+// summed in float32 and rounded once to out's dtype (float32 or bf16), for tokens with a slot.
+void lora_expand(const at::Tensor& out, const at::Tensor& buffer, const at::Tensor& lora_b,
+                 const at::Tensor& token_slots, at::IntArrayRef slice_sizes);
+
 // Element conversions written on raw bits so that loops over them vectorize.
 template <typename T>
 inline float to_float(T x) {
