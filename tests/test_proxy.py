@@ -1,11 +1,13 @@
 """``platform-core proxy`` (prefill/decode disaggregation, #23) before stub instances: what each
 side gets, streams and whole answers passed through (the real ``openai`` client reads them),
-refusals and failures, routing, client disconnects, ``/health``, ``/metrics``, the API key and
-the command line.
+refusals and failures, routing, instances out of rotation while unhealthy (the health poller,
+a failed connection retried elsewhere), client disconnects, ``/health``, ``/metrics``, the API
+key and the command line.
 
 The stubs (``StubInstance``) are small FastAPI apps in threads that record every request and
 answer as a prefill instance's connector would (``kv_transfer_params`` for a request with
-``do_remote_decode``); what each answers is set per test through its ``state``.
+``do_remote_decode``); what each answers is set per test through its ``state``. ``dropper()`` is
+an instance that takes requests and drops them unanswered.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socketserver
 import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -32,7 +35,7 @@ from starlette.responses import Response
 
 from platform_core.cli.main import build_parser
 from platform_core.entrypoints.proxy.config import ProxyConfig
-from platform_core.entrypoints.proxy.routing import UpstreamPool
+from platform_core.entrypoints.proxy.routing import NoHealthyUpstream, UpstreamPool
 from platform_core.errors import ConfigError
 
 MODEL = "stub-model"
@@ -65,13 +68,14 @@ class StubState:
     before answering them; ``params``: the ``kv_transfer_params`` of an answer to a
     ``do_remote_decode`` request; ``endless``: streams
     run until the client leaves (then ``closed`` is set); ``broken``: streams break off after
-    their first event.
+    their first event; ``health``: the status of ``/health``, after ``health_delay`` seconds.
     """
 
     received: list[Received] = field(default_factory=list)
     status: int = 200
     delay: float = 0.0
     health: int = 200
+    health_delay: float = 0.0
     params: dict | None = field(default_factory=lambda: dict(REMOTE_PREFILL))
     endless: bool = False
     broken: bool = False
@@ -153,10 +157,53 @@ class StubInstance:
             state.closed.set()
 
     async def _health(self) -> Response:
+        await asyncio.sleep(self.state.health_delay)
         return Response(status_code=self.state.health)
 
     async def _models(self) -> dict:
         return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "stub"}]}
+
+
+class _DropHandler(socketserver.StreamRequestHandler):
+    """Answers ``GET /health`` 200; reads any other request whole and closes without a word."""
+
+    def handle(self) -> None:
+        request_line = self.rfile.readline()
+        length = 0
+        while (line := self.rfile.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        if request_line.startswith(b"GET /health "):
+            self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            return
+        self.rfile.read(length)
+        self.server.dropped.append(request_line)  # type: ignore[attr-defined]
+
+
+@contextmanager
+def dropper() -> Iterator[tuple[str, list[bytes]]]:
+    """An instance that is healthy but drops every request it gets: its URL and the request
+    lines it dropped."""
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _DropHandler)
+    server.daemon_threads = True
+    server.dropped = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.dropped  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+def served(instance: StubInstance) -> ExitStack:
+    """Serve ``instance`` (setting its URL) until the stack returned is closed: from then on
+    its port refuses connections."""
+    stack = ExitStack()
+    instance.url = stack.enter_context(live_app(instance.app))
+    return stack
 
 
 @pytest.fixture(scope="module")
@@ -312,13 +359,16 @@ def test_a_decode_refusal_keeps_its_status(proxy, d1):
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 @pytest.mark.parametrize("how", ["unreachable", "503"])
 def test_a_failing_instance_is_a_502_naming_its_side(p1, d1, side, how):
-    failing = p1 if side == "prefill" else d1
+    """``unreachable``: the side's only instance stops once the proxy has found it healthy."""
+    gone = StubInstance()
+    server = served(gone)
     urls = {"prefill": p1.url, "decode": d1.url}
     if how == "unreachable":
-        urls[side] = down()
+        urls[side] = gone.url
     else:
-        failing.state.status = 503
-    with live_proxy([urls["prefill"]], [urls["decode"]]) as url:
+        (p1 if side == "prefill" else d1).state.status = 503
+    with server, live_proxy([urls["prefill"]], [urls["decode"]]) as url:
+        server.close()  # ``gone`` stops: its port refuses connections
         error = expect_error(_post(url, "/v1/completions", COMPLETION), 502)
         assert error["message"].startswith(f"the {side} instance {urls[side]} ")
         assert ("unreachable" if how == "unreachable" else "stub says 503") in error["message"]
@@ -382,9 +432,140 @@ def test_pool_policies_pick_in_turn_and_by_load():
     pool.release(a)
     assert pool.acquire().url == "c"  # a and c are free: the tie goes in turn
     assert pool.acquire().url == "a"  # the only free one
-    with pool.lease() as leased:
-        assert leased.in_flight == 2
     assert [u.in_flight for u in pool.upstreams] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded"])
+def test_pool_policies_pick_only_healthy_instances(policy):
+    pool = UpstreamPool("prefill", ["a", "b", "c"], policy)
+    pool.upstreams[1].healthy = False
+    picked = [pool.acquire().url for _ in range(4)]
+    assert picked == ["a", "c", "a", "c"]  # in turn among the healthy ones, b's share too
+    for upstream in pool.upstreams:
+        upstream.healthy = False
+    with pytest.raises(NoHealthyUpstream, match="no prefill instance is healthy"):
+        pool.acquire()
+
+
+# ------------------------------------------------------------ instances out of rotation
+def healthy_gauge(url: str, side: str, upstream: str) -> float:
+    """The proxy at ``url``'s ``upstream_healthy`` gauge for one instance."""
+    labels = (("side", side), ("upstream", upstream))
+    return metrics(url)[("platform_core_proxy_upstream_healthy", labels)]
+
+
+def state_changes(caplog: pytest.LogCaptureFixture, url: str) -> list[str]:
+    """The proxy's log lines about ``url``'s health changing."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if url in r.getMessage()
+        and ("became unhealthy" in r.getMessage() or "again" in r.getMessage())
+    ]
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "least-loaded"])
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_an_instance_gone_down_leaves_the_rotation_and_its_request_goes_to_another(
+    stubs, caplog, side, routing
+):
+    """The instance stops after the proxy found it healthy (and before a poll would find it
+    gone): the first request that cannot connect to it marks it unhealthy and is sent to the
+    other instance of its side; later ones go there directly."""
+    gone, other = StubInstance(), stubs["p2" if side == "prefill" else "d2"]
+    server = served(gone)
+    urls = {"prefill": [stubs["p1"].url], "decode": [stubs["d1"].url], side: [gone.url, other.url]}
+    with (
+        caplog.at_level(logging.INFO, logger="platform_core.proxy"),
+        server,
+        live_proxy(urls["prefill"], urls["decode"], routing=routing, health_interval=600) as url,
+    ):
+        server.close()  # ``gone`` was first in turn
+        for route, body in ROUTES * 2:
+            response = _post(url, route, body)
+            assert response.status_code == 200, response.text
+        samples = metrics(url)
+        assert httpx.get(url + "/health").json()[side][0]["detail"].startswith("ConnectError")
+    assert len(other.state.received) == 4
+    errors = ("platform_core_proxy_upstream_errors_total", (("side", side), ("upstream", gone.url)))
+    assert samples[errors] == 1  # tried once, then out of rotation
+    for instance, healthy in ((gone, 0), (other, 1)):
+        labels = (("side", side), ("upstream", instance.url))
+        assert samples[("platform_core_proxy_upstream_healthy", labels)] == healthy
+    (change,) = state_changes(caplog, gone.url)
+    assert f"the {side} instance {gone.url} became unhealthy: ConnectError" in change
+
+
+@pytest.mark.parametrize("how", ["503", "timeout"])
+def test_the_health_poller_takes_an_instance_out_and_back(stubs, caplog, how):
+    p1, d1, d2 = stubs["p1"], stubs["d1"], stubs["d2"]
+    with (
+        caplog.at_level(logging.INFO, logger="platform_core.proxy"),
+        live_proxy([p1.url], [d1.url, d2.url], health_interval=0.05, health_timeout=0.2) as url,
+    ):
+        assert healthy_gauge(url, "decode", d1.url) == 1
+        if how == "503":
+            d1.state.health = 503
+        else:
+            d1.state.health_delay = 2.0
+        wait_for(lambda: healthy_gauge(url, "decode", d1.url) == 0, 10, "d1 stayed in rotation")
+        d1_health = httpx.get(url + "/health").json()["decode"][0]
+        assert d1_health["healthy"] is False
+        assert d1_health["detail"] == ("HTTP 503" if how == "503" else "ReadTimeout")
+        for _ in range(3):
+            assert _post(url, "/v1/completions", COMPLETION).status_code == 200
+        assert (len(d1.state.received), len(d2.state.received)) == (0, 3)
+        d1.state.health, d1.state.health_delay = 200, 0.0
+        wait_for(lambda: healthy_gauge(url, "decode", d1.url) == 1, 10, "d1 did not come back")
+        for _ in range(2):
+            assert _post(url, "/v1/completions", COMPLETION).status_code == 200
+        assert (len(d1.state.received), len(d2.state.received)) == (1, 4)
+    unhealthy, back = state_changes(caplog, d1.url)  # once per change, not once per poll
+    assert f"the decode instance {d1.url} became unhealthy: " in unhealthy
+    assert f"the decode instance {d1.url} is healthy again (HTTP 200)" in back
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_side_without_a_healthy_instance_is_a_503_naming_it(p1, d1, side):
+    urls = {"prefill": [p1.url], "decode": [d1.url], side: [down(), down()]}
+    with live_proxy(urls["prefill"], urls["decode"]) as url:
+        for route, body in ROUTES:
+            error = expect_error(_post(url, route, body), 503)
+            assert error["message"] == f"no {side} instance is healthy"
+            assert (error["type"], error["code"]) == (
+                "service_unavailable_error",
+                f"no_healthy_{side}",
+            )
+        models = httpx.get(url + "/v1/models")
+        assert models.status_code == (503 if side == "decode" else 200)
+        assert httpx.get(url + "/health").status_code == 503
+        assert [healthy_gauge(url, side, upstream) for upstream in urls[side]] == [0, 0]
+        samples = metrics(url)
+    assert not p1.state.received and not d1.state.received  # no prefill without a decode side
+    for route, _ in ROUTES:
+        outcome = (("endpoint", route), ("outcome", "upstream_error"))
+        assert samples[("platform_core_proxy_requests_total", outcome)] == 1
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_request_an_instance_got_is_never_sent_to_another(stubs, side):
+    """The instance reads the request and closes the connection unanswered: it may have run
+    it, so the client gets a 502 and the other instance of the side nothing."""
+    other = stubs["p2" if side == "prefill" else "d2"]
+    with dropper() as (dropping, dropped):
+        urls = {
+            "prefill": [stubs["p1"].url],
+            "decode": [stubs["d1"].url],
+            side: [dropping, other.url],
+        }
+        with live_proxy(urls["prefill"], urls["decode"]) as url:
+            error = expect_error(_post(url, "/v1/completions", COMPLETION), 502)
+            assert error["message"].startswith(f"the {side} instance {dropping} failed mid-request")
+            assert error["code"] == f"{side}_unavailable"
+            assert healthy_gauge(url, side, dropping) == 1  # it took the request: not "down"
+    assert dropped == [b"POST /v1/completions HTTP/1.1\r\n"]
+    assert not other.state.received
+    assert len(stubs["p1"].state.received) == (1 if side == "decode" else 0)
 
 
 # ----------------------------------------------------------------------------- disconnects
@@ -418,7 +599,7 @@ def test_a_client_that_leaves_during_the_prefill_is_not_decoded(proxy, p1, d1):
 # ------------------------------------------------------------------------- health and metrics
 def test_health_is_200_while_each_side_has_a_healthy_instance(p1, d1):
     gone = down()
-    with live_proxy([gone, p1.url], [d1.url]) as url:
+    with live_proxy([gone, p1.url], [d1.url], health_interval=0.05) as url:
         response = httpx.get(url + "/health")
         assert response.status_code == 200, response.text
         report = response.json()
@@ -429,8 +610,8 @@ def test_health_is_200_while_each_side_has_a_healthy_instance(p1, d1):
         assert unreachable["detail"].startswith("ConnectError")
         assert healthy == {"url": p1.url, "healthy": True, "detail": "HTTP 200"}
         d1.state.health = 503
+        wait_for(lambda: httpx.get(url + "/health").status_code == 503, 5, "still healthy")
         response = httpx.get(url + "/health")
-        assert response.status_code == 503
         assert response.json()["status"] == "unavailable"
         assert response.json()["decode"][0] == {
             "url": d1.url,
@@ -475,7 +656,7 @@ sys.exit(args.func(args))
 def test_the_proxy_command_serves(p1, d1):
     port = free_port()
     command = [sys.executable, "-c", PROXY, "proxy", "--prefill", p1.url]
-    command += ["--decode", d1.url, down(), "--port", str(port)]
+    command += ["--decode", d1.url, down(), "--port", str(port), "--health-interval", "0.5"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
 
@@ -504,6 +685,7 @@ def test_the_command_line_and_config_are_checked():
         ["http://d:1", "https://d:2"],
         "round-robin",
     )
+    assert (args.health_interval, args.health_timeout) == (5.0, 2.0)
     assert ProxyConfig(("http://p:1/",), ("http://d:1",)).prefill == ("http://p:1",)
     for bad in (
         {"prefill": ()},
@@ -511,6 +693,8 @@ def test_the_command_line_and_config_are_checked():
         {"routing": "random"},
         {"api_key": " "},
         {"connect_timeout": 0},
+        {"health_interval": 0},
+        {"health_timeout": -1},
     ):
         with pytest.raises(ConfigError):
             ProxyConfig(**{"prefill": ("http://p:1",), "decode": ("http://d:1",), **bad})

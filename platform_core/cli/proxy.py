@@ -8,6 +8,7 @@ from typing import Any
 
 from platform_core.entrypoints.proxy.config import (
     DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_HEALTH_INTERVAL,
     DEFAULT_HEALTH_TIMEOUT,
     ROUTING_POLICIES,
     ProxyConfig,
@@ -23,6 +24,7 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
         routing=args.routing,
         api_key=args.api_key,
         connect_timeout=args.connect_timeout,
+        health_interval=args.health_interval,
         health_timeout=args.health_timeout,
     )
     return run_proxy(config, args.host, args.port, getattr(args, "log_level", "info"))
@@ -56,8 +58,8 @@ def add_proxy_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--routing",
         choices=ROUTING_POLICIES,
         default=ROUTING_POLICIES[0],
-        help="how a request's instance of each side is picked: in turn, or the one with the "
-        "fewest requests in flight through this proxy, ties in turn "
+        help="how a request's instance of each side is picked among the healthy ones: in turn, "
+        "or the one with the fewest requests in flight through this proxy, ties in turn "
         f"(default: {ROUTING_POLICIES[0]})",
     )
     proxy.add_argument(
@@ -71,14 +73,23 @@ def add_proxy_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--connect-timeout",
         type=float,
         default=DEFAULT_CONNECT_TIMEOUT,
-        help="seconds to connect to an instance before it counts as down: the request gets "
-        f"502 (default: {DEFAULT_CONNECT_TIMEOUT:g})",
+        help="seconds to connect to an instance before it counts as down: it leaves the "
+        "rotation and the request goes to another healthy instance of its side, or gets 502 "
+        f"(default: {DEFAULT_CONNECT_TIMEOUT:g})",
+    )
+    proxy.add_argument(
+        "--health-interval",
+        type=float,
+        default=DEFAULT_HEALTH_INTERVAL,
+        help="seconds between two polls of every instance's /health: an instance that does not "
+        "answer 200 leaves the rotation until it does again "
+        f"(default: {DEFAULT_HEALTH_INTERVAL:g})",
     )
     proxy.add_argument(
         "--health-timeout",
         type=float,
         default=DEFAULT_HEALTH_TIMEOUT,
-        help="seconds each instance's /health may take when the proxy's /health asks "
+        help="seconds each instance's /health may take before it counts as unhealthy "
         f"(default: {DEFAULT_HEALTH_TIMEOUT:g})",
     )
     proxy.set_defaults(func=_cmd_proxy)

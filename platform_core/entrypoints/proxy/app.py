@@ -2,13 +2,15 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (``disagg``), ``/v1/models`` (a decode
 instance's), ``/health`` (200 while every side has a healthy instance, else 503; each
-upstream's status either way) and ``/metrics`` (Prometheus text).
+upstream's status either way, as the health checker last found it) and ``/metrics``
+(Prometheus text).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 
 import httpx
 import uvicorn
@@ -27,7 +29,7 @@ from platform_core.entrypoints.proxy.disagg import (
     MODELS,
     Disaggregator,
 )
-from platform_core.entrypoints.proxy.health import health_report
+from platform_core.entrypoints.proxy.health import HealthChecker, health_report
 from platform_core.entrypoints.proxy.metrics import ProxyMetrics
 from platform_core.entrypoints.proxy.routing import UpstreamPool
 
@@ -36,22 +38,31 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def build_proxy_app(config: ProxyConfig) -> FastAPI:
-    """The proxy's FastAPI app for ``config``; its upstream client closes with the app."""
+    """The proxy's FastAPI app for ``config``. Starting, it asks every upstream's ``/health``
+    once, then polls them in the background; its upstream client closes with the app."""
     prefill = UpstreamPool("prefill", config.prefill, config.routing)
     decode = UpstreamPool("decode", config.decode, config.routing)
-    metrics = ProxyMetrics((prefill, decode))
+    pools = (prefill, decode)
+    metrics = ProxyMetrics(pools)
     # Generation has no time limit here (the instances have theirs); connecting has one, so a
-    # down instance is a quick 502. Connections are not capped: the instances queue requests.
+    # down instance is quickly left for another (or a 502). Connections are not capped: the
+    # instances queue requests.
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=config.connect_timeout),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=100),
         trust_env=False,  # the instances are reached directly, never through $HTTP_PROXY
     )
     disagg = Disaggregator(client, prefill, decode, metrics)
+    checker = HealthChecker(client, pools, config.health_interval, config.health_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await checker.check()  # no request is routed to an instance found down at the start
+        polling = asyncio.create_task(checker.run())
         yield
+        polling.cancel()
+        with suppress(asyncio.CancelledError):
+            await polling
         await client.aclose()
 
     app = FastAPI(
@@ -77,7 +88,7 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        healthy, report = await health_report(client, (prefill, decode), config.health_timeout)
+        healthy, report = health_report(pools)
         return JSONResponse(report, status_code=200 if healthy else 503)
 
     @app.get("/metrics")

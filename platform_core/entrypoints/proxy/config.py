@@ -9,6 +9,7 @@ from platform_core.errors import ConfigError
 
 ROUTING_POLICIES = ("round-robin", "least-loaded")
 DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_HEALTH_INTERVAL = 5.0
 DEFAULT_HEALTH_TIMEOUT = 2.0
 
 
@@ -20,8 +21,9 @@ class ProxyConfig:
     ``routing``: how one instance of a side is picked per request (``ROUTING_POLICIES``).
     ``api_key``: the key the proxy itself requires (``Authorization: Bearer``) on every route
     but ``/health`` and ``/metrics``. ``connect_timeout``: seconds to connect to an upstream
-    before it counts as down; ``health_timeout``: seconds each upstream's ``/health`` may take
-    when the proxy's ``/health`` asks. ``max_body_bytes``: larger request bodies get 413.
+    before it counts as down (and out of rotation); every ``health_interval`` seconds each
+    upstream's ``/health`` is asked, and may take ``health_timeout`` seconds to answer 200
+    before it counts as unhealthy. ``max_body_bytes``: larger request bodies get 413.
     """
 
     prefill: tuple[str, ...]
@@ -29,6 +31,7 @@ class ProxyConfig:
     routing: str = ROUTING_POLICIES[0]
     api_key: str | None = None
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    health_interval: float = DEFAULT_HEALTH_INTERVAL
     health_timeout: float = DEFAULT_HEALTH_TIMEOUT
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
@@ -42,8 +45,8 @@ class ProxyConfig:
             raise ConfigError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("the API key is empty; give a non-empty key, or none for no auth")
-        if self.connect_timeout <= 0 or self.health_timeout <= 0:
-            raise ConfigError("timeouts must be > 0 seconds")
+        if min(self.connect_timeout, self.health_interval, self.health_timeout) <= 0:
+            raise ConfigError("timeouts and the health interval must be > 0 seconds")
 
 
 def _base_url(url: str, side: str) -> str:

@@ -6,6 +6,10 @@ stream) with ``kv_transfer_params: {"do_remote_decode": true}``: its connector k
 prompt's KV blocks and answers where a decode instance finds them, in ``kv_transfer_params``.
 The decode instance gets the client's request as sent plus those params, and its answer goes
 back to the client as it comes.
+
+Instances are picked among the healthy ones of their side. One that cannot be connected to is
+marked unhealthy at once, and the request goes to another healthy instance of its side, once;
+never after an instance got the request (a prefill may have run).
 """
 
 from __future__ import annotations
@@ -21,10 +25,16 @@ from fastapi import Request
 from starlette.responses import Response
 
 from platform_core.entrypoints.openai.errors import error_response
+from platform_core.entrypoints.proxy.health import record_health
 from platform_core.entrypoints.proxy.metrics import Outcome, ProxyMetrics, outcome_of
 from platform_core.entrypoints.proxy.relay import RelayResponse, passthrough
-from platform_core.entrypoints.proxy.routing import Upstream, UpstreamPool
-from platform_core.entrypoints.proxy.upstream import UpstreamError, call, forwarded_headers
+from platform_core.entrypoints.proxy.routing import NoHealthyUpstream, Upstream, UpstreamPool
+from platform_core.entrypoints.proxy.upstream import (
+    NotConnected,
+    UpstreamError,
+    call,
+    forwarded_headers,
+)
 from platform_core.errors import InvalidRequestError
 
 logger = logging.getLogger("platform_core.proxy")
@@ -91,10 +101,13 @@ class Disaggregator:
 
     async def generate(self, endpoint: Endpoint, request: Request) -> Response:
         """Prefill, then decode; a refusal (4xx) of the prefill instance is the answer as it
-        is, and an upstream that fails is a 502 naming its side."""
+        is, an upstream that fails is a 502 naming its side, and a side without a healthy
+        instance a 503 naming it (no prefill is run without a healthy decode instance)."""
         headers = forwarded_headers(request)
         try:
             body = await json_object(request)
+            if not self.decode.healthy():
+                raise NoHealthyUpstream(self.decode.side)
             answer, upstream = await self._prefill(endpoint, body, headers)
             if not answer.is_success:
                 self._count(endpoint.path, outcome_of(answer.status_code))
@@ -109,15 +122,19 @@ class Disaggregator:
             return error_response(400, str(exc), exc.param)
         except UpstreamError as exc:
             return self._failed(endpoint.path, exc)
+        except NoHealthyUpstream as exc:
+            return self._unavailable(endpoint.path, exc)
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models`` of a decode instance."""
         headers = forwarded_headers(request)
         try:
-            with self.decode.lease() as upstream:
-                answer = await call(self.client, "decode", upstream, "GET", MODELS, headers)
+            answer, upstream = await self._send(self.decode, "GET", MODELS, headers)
         except UpstreamError as exc:
             return self._failed(MODELS, exc)
+        except NoHealthyUpstream as exc:
+            return self._unavailable(MODELS, exc)
+        self.decode.release(upstream)
         self._count(MODELS, outcome_of(answer.status_code))
         return passthrough(answer)
 
@@ -131,17 +148,55 @@ class Disaggregator:
         self._count(endpoint, "upstream_error")
         return exc.response()
 
+    def _unavailable(self, endpoint: str, exc: NoHealthyUpstream) -> Response:
+        """Record a request refused for want of a healthy instance; the client's 503."""
+        self._count(endpoint, "upstream_error")
+        return exc.response()
+
+    async def _send(
+        self,
+        pool: UpstreamPool,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: dict[str, Any] | None = None,
+        stream: bool = False,
+    ) -> tuple[httpx.Response, Upstream]:
+        """``call`` on an instance of ``pool``: its answer and the instance, acquired for the
+        caller to release. An instance that cannot be connected to is marked unhealthy, and
+        the request goes once to another healthy one if there is one."""
+
+        async def send() -> tuple[httpx.Response, Upstream]:
+            upstream = pool.acquire()
+            try:
+                answer = await call(
+                    self.client, pool.side, upstream, method, path, headers, body, stream
+                )
+            except BaseException as exc:
+                pool.release(upstream)
+                if isinstance(exc, NotConnected):
+                    record_health(pool.side, upstream, False, exc.detail)
+                raise
+            return answer, upstream
+
+        try:
+            return await send()
+        except NotConnected as exc:
+            if not pool.healthy():
+                raise
+            logger.warning("%s; trying another %s instance", exc, pool.side)
+            self.metrics.upstream_errors.labels(exc.side, exc.url).inc()
+        return await send()
+
     async def _prefill(
         self, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[httpx.Response, Upstream]:
         """The whole answer of a prefill instance to ``body`` cut to one token; the instance."""
-        with self.prefill.lease() as upstream:
-            started = time.monotonic()
-            cut = prefill_body(body, endpoint)
-            answer = await call(
-                self.client, "prefill", upstream, "POST", endpoint.path, headers, cut
-            )
-            self.metrics.prefill_latency.observe(time.monotonic() - started)
+        started = time.monotonic()
+        cut = prefill_body(body, endpoint)
+        answer, upstream = await self._send(self.prefill, "POST", endpoint.path, headers, cut)
+        self.prefill.release(upstream)
+        self.metrics.prefill_latency.observe(time.monotonic() - started)
         return answer, upstream
 
     def _transfer_params(self, answer: httpx.Response, url: str) -> dict[str, Any] | None:
@@ -166,15 +221,10 @@ class Disaggregator:
     async def _decode(
         self, endpoint: Endpoint, body: dict[str, Any], headers: dict[str, str]
     ) -> Response:
-        upstream = self.decode.acquire()
         started = time.monotonic()
-        try:
-            answer = await call(
-                self.client, "decode", upstream, "POST", endpoint.path, headers, body, stream=True
-            )
-        except BaseException:
-            self.decode.release(upstream)
-            raise
+        answer, upstream = await self._send(
+            self.decode, "POST", endpoint.path, headers, body, stream=True
+        )
 
         def first_byte() -> None:
             self.metrics.decode_first_byte.observe(time.monotonic() - started)

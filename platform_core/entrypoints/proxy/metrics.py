@@ -28,28 +28,35 @@ def outcome_of(status: int) -> Outcome:
     return "client_error" if status >= 400 else "success"
 
 
-class _InFlight(Collector):
-    """Requests in flight per upstream, read from the pools at scrape time."""
+class _Upstreams(Collector):
+    """Requests in flight and health per upstream, read from the pools at scrape time."""
 
     def __init__(self, pools: Sequence[UpstreamPool]) -> None:
         self.pools = pools
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
+        in_flight = GaugeMetricFamily(
             PREFIX + "upstream_in_flight",
             "Requests the proxy has in flight at each upstream instance.",
             labels=["side", "upstream"],
         )
+        healthy = GaugeMetricFamily(
+            PREFIX + "upstream_healthy",
+            "Whether each upstream instance is in rotation (1) or out of it as unhealthy (0).",
+            labels=["side", "upstream"],
+        )
         for pool in self.pools:
             for upstream in pool.upstreams:
-                family.add_metric([pool.side, upstream.url], upstream.in_flight)
-        yield family
+                in_flight.add_metric([pool.side, upstream.url], upstream.in_flight)
+                healthy.add_metric([pool.side, upstream.url], int(upstream.healthy))
+        yield in_flight
+        yield healthy
 
 
 class ProxyMetrics:
-    """Requests by endpoint and outcome, upstream failures by side, in-flight requests per
-    upstream, prefill latency (to the prefill instance's whole answer) and the time to the
-    first byte of the decode instance's answer."""
+    """Requests by endpoint and outcome, upstream failures by side, in-flight requests and
+    health per upstream, prefill latency (to the prefill instance's whole answer) and the time
+    to the first byte of the decode instance's answer."""
 
     def __init__(self, pools: Sequence[UpstreamPool]) -> None:
         self.registry = CollectorRegistry()
@@ -77,7 +84,7 @@ class ProxyMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_InFlight(pools))
+        self.registry.register(_Upstreams(pools))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

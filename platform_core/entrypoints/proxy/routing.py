@@ -1,27 +1,45 @@
-"""The upstream instances of each side and the policy that picks one per request."""
+"""The upstream instances of each side and the policy that picks a healthy one per request."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+
+from platform_core.entrypoints.openai.errors import error_response
 
 
 @dataclass(eq=False)
 class Upstream:
-    """One instance: its base URL and the proxy's own count of its requests in flight."""
+    """One instance: its base URL, the proxy's own count of its requests in flight, and its
+    health as last found (``detail``: how, or why not)."""
 
     url: str
     in_flight: int = 0
+    healthy: bool = True
+    detail: str = "not checked yet"
+
+
+class NoHealthyUpstream(Exception):
+    """No instance of ``side`` is healthy."""
+
+    def __init__(self, side: str) -> None:
+        super().__init__(f"no {side} instance is healthy")
+        self.side = side
+
+    def response(self) -> JSONResponse:
+        """The client's answer: 503 with an OpenAI error body naming the side."""
+        return error_response(503, str(self), code=f"no_healthy_{self.side}")
 
 
 class UpstreamPool:
     """The instances of one side (``prefill`` or ``decode``).
 
-    ``acquire`` picks one by ``policy`` and counts the request in flight there until
+    ``acquire`` picks a healthy one by ``policy`` and counts the request in flight there until
     ``release``: ``round-robin`` takes each in turn; ``least-loaded`` the one with the fewest
-    requests in flight, ties broken in turn.
+    requests in flight, ties broken in turn. With none healthy it raises ``NoHealthyUpstream``.
     """
 
     def __init__(self, side: str, urls: Sequence[str], policy: str) -> None:
@@ -30,9 +48,16 @@ class UpstreamPool:
         self.policy = policy
         self._turn = itertools.count()
 
+    def healthy(self) -> list[Upstream]:
+        """The instances in rotation."""
+        return [upstream for upstream in self.upstreams if upstream.healthy]
+
     def acquire(self) -> Upstream:
-        start = next(self._turn) % len(self.upstreams)
-        in_turn = self.upstreams[start:] + self.upstreams[:start]
+        healthy = self.healthy()
+        if not healthy:
+            raise NoHealthyUpstream(self.side)
+        start = next(self._turn) % len(healthy)
+        in_turn = healthy[start:] + healthy[:start]
         if self.policy == "least-loaded":
             chosen = min(in_turn, key=lambda upstream: upstream.in_flight)  # the first of ties
         else:
@@ -42,12 +67,3 @@ class UpstreamPool:
 
     def release(self, upstream: Upstream) -> None:
         upstream.in_flight -= 1
-
-    @contextmanager
-    def lease(self) -> Iterator[Upstream]:
-        """An instance for the duration of the ``with`` block."""
-        upstream = self.acquire()
-        try:
-            yield upstream
-        finally:
-            self.release(upstream)

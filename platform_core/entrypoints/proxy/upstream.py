@@ -1,5 +1,6 @@
 """Requests to upstream instances: the headers passed on, and failures (unreachable, 5xx) as
-``UpstreamError``, answered 502 naming the side that failed."""
+``UpstreamError``, answered 502 naming the side that failed (``NotConnected`` when the request
+never reached the instance)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ class UpstreamError(Exception):
         return error_response(502, str(self), code=f"{self.side}_unavailable")
 
 
+class NotConnected(UpstreamError):
+    """The instance could not be connected to (``detail``: the failure): it never got the
+    request, which may go to another instance."""
+
+    def __init__(self, side: str, url: str, detail: str) -> None:
+        super().__init__(side, url, f"is unreachable ({detail})")
+        self.detail = detail
+
+
 def forwarded_headers(request: Request) -> dict[str, str]:
     """The headers of ``request`` that its upstream requests carry too."""
     return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
@@ -55,7 +65,7 @@ async def call(
 ) -> httpx.Response:
     """``method path`` on ``upstream``: its answer below 500, read in full unless ``stream``
     (then the caller closes it). Raises ``UpstreamError`` when it cannot be reached or
-    answers 5xx."""
+    answers 5xx (``NotConnected`` when it cannot be connected to)."""
     content = None
     if body is not None:
         # ASCII JSON: a lone surrogate a client sent escaped travels escaped, as it came.
@@ -64,8 +74,10 @@ async def call(
     request = client.build_request(method, upstream.url + path, content=content, headers=headers)
     try:
         response = await client.send(request, stream=stream)
-    except httpx.HTTPError as exc:
-        raise UpstreamError(side, upstream.url, f"is unreachable ({describe(exc)})") from exc
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise NotConnected(side, upstream.url, describe(exc)) from exc
+    except httpx.HTTPError as exc:  # after the request went out: the instance may have run it
+        raise UpstreamError(side, upstream.url, f"failed mid-request ({describe(exc)})") from exc
     if response.status_code >= 500:
         try:
             detail = (await response.aread()).decode(errors="replace")[:_DETAIL_CHARS]
