@@ -97,7 +97,10 @@ def test_a_client_that_reads_is_never_cut_by_the_same_limit(engine):
 def test_a_stream_ended_for_backpressure_sends_an_error_event_then_done():
     import asyncio
 
-    from platform_core.entrypoints.openai.protocol import CompletionChoice, CompletionResponse
+    from platform_core.entrypoints.openai.response_bodies import (
+        CompletionChoice,
+        CompletionResponse,
+    )
     from platform_core.entrypoints.openai.responses import event_stream
     from platform_core.errors import StreamBackpressureError
 

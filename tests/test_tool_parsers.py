@@ -30,7 +30,7 @@ from platform_core.entrypoints.openai.tool_parsers import (
 )
 from platform_core.entrypoints.openai.tool_parsers import registry as tool_registry
 from platform_core.errors import ConfigError, InvalidRequestError
-from platform_core.reasoning import UnknownParserError
+from platform_core.parsing.plugin_registry import UnknownParserError
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "units": "metric"}}'
 WEATHER_ARGS = {"city": "Paris", "units": "metric"}

@@ -5,9 +5,9 @@ ones). Parsers are found by name in a registry that third parties extend through
 entry-point group ``platform_core.reasoning_parsers``.
 """
 
+from platform_core.parsing.plugin_registry import UnknownParserError
 from platform_core.reasoning.base import ReasoningDelta, ReasoningParser
 from platform_core.reasoning.parsers import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
-from platform_core.reasoning.plugin_registry import UnknownParserError
 from platform_core.reasoning.registry import (
     ENTRY_POINT_GROUP,
     get_reasoning_parser,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
-from platform_core.reasoning.resumable import ResumableStream
+from platform_core.parsing.resumable import ResumableStream
 from platform_core.reasoning.think_tags import ThinkTagSplitter
 
 

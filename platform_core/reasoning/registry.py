@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from platform_core.parsing.plugin_registry import ParserRegistry
 from platform_core.reasoning.base import ReasoningParser
-from platform_core.reasoning.plugin_registry import ParserRegistry
 
 #: Entry-point group of third-party reasoning parsers: each entry point names a ReasoningParser
 #: subclass, registered under the entry point's name.

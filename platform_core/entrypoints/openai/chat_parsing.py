@@ -14,13 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from platform_core.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatToolCall,
-    DeltaFunctionCall,
-    DeltaToolCallItem,
-    FunctionCall,
-)
+from platform_core.entrypoints.openai.protocol import ChatCompletionRequest
 from platform_core.entrypoints.openai.serving_base import ServingOptions
 from platform_core.entrypoints.openai.tool_parsers import (
     DeltaToolCall,
@@ -28,6 +22,12 @@ from platform_core.entrypoints.openai.tool_parsers import (
     forced_tool_calls_schema,
     get_tool_parser,
     parse_forced_tool_calls,
+)
+from platform_core.entrypoints.openai.tool_protocol import (
+    ChatToolCall,
+    DeltaFunctionCall,
+    DeltaToolCallItem,
+    FunctionCall,
 )
 from platform_core.errors import ConfigError, InvalidRequestError
 from platform_core.reasoning import ReasoningParser, get_reasoning_parser

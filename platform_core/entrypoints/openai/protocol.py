@@ -1,54 +1,40 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+"""Request bodies of the OpenAI-compatible API (pydantic models): completions, chat, tokenize,
+detokenize and vLLM's LoRA adapter routes.
 
-Unknown request fields are accepted and ignored, as vLLM does (``ignored_fields`` names them, for a
-log line and a response header; ``--strict-request-fields`` makes them a 400). Types are strict, as
-OpenAI's schema says: an integer field takes a JSON integer (not ``2.0`` or ``true``), a boolean a
-JSON boolean (not ``"yes"``); a number field takes any JSON number. Integers are bounded to int64,
-what JSON APIs and torch can carry. Text fields refuse lone surrogates (JSON ``"\ud800"``: not
-Unicode, so no tokenizer or UTF-8 encoder takes them); NULs and non-characters are valid Unicode
-and pass. The ranges of sampling values are checked in one place, ``SamplingParams``, when
-``sampling_params`` builds it.
+Their base model and field types (strict, unknown fields kept) are in ``request_base``, the
+output constraints in ``output_constraints``, the tool models in ``tool_protocol``, the response
+bodies in ``response_bodies``. The ranges of sampling values are checked in one place,
+``SamplingParams``, when ``sampling_params`` builds it.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    StringConstraints,
-    Tag,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from platform_core.entrypoints.openai.output_constraints import (
+    GUIDED_FIELDS,
+    ResponseFormat,
+    output_constraint,
+)
+from platform_core.entrypoints.openai.request_base import (
+    Int64,
+    NonEmptyText,
+    RequestModel,
+    Text,
+    TokenIdKey,
+    TokenIds,
+)
+from platform_core.entrypoints.openai.tool_protocol import (
+    MessageToolCall,
+    NamedToolChoice,
+    ToolDefinition,
+)
 from platform_core.errors import InvalidRequestError
 from platform_core.sampling_params import SamplingParams
-from platform_core.structured_outputs_params import KINDS, StructuredOutputsParams
-
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-TokenIds = list[Int64]
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _no_lone_surrogates(text: str) -> str:
-    if not text.isascii() and (found := _SURROGATE.search(text)):
-        raise ValueError(
-            f"contains a lone surrogate (U+{ord(found.group()):04X}) at character "
-            f"{found.start()}, which is not Unicode text"
-        )
-    return text
-
-
-Text = Annotated[str, AfterValidator(_no_lone_surrogates)]
-# logit_bias keys are token ids written in ASCII digits (int() would also take "１２" or " 12").
-TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,19}$")]
-
+from platform_core.structured_outputs_params import StructuredOutputsParams
 
 # Sampling fields that fall back to the model's generation-config defaults when left out.
 _DEFAULTABLE = (
@@ -66,27 +52,7 @@ _DEFAULTABLE = (
 )
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-def ignored_fields(model: BaseModel, prefix: str = "") -> list[str]:
-    """Dotted names of the fields ``model`` (and the models inside it) kept but does not know,
-    e.g. ``["store", "messages.0.cache_control"]``."""
-    names = [prefix + name for name in model.model_extra or {}]
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        if isinstance(value, BaseModel):
-            names += ignored_fields(value, f"{prefix}{name}.")
-        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
-            # Lists hold models or scalars, never both: a list of ids is not walked.
-            for i, item in enumerate(value):
-                if isinstance(item, BaseModel):
-                    names += ignored_fields(item, f"{prefix}{name}.{i}.")
-    return names
-
-
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     """``include_usage``: one last chunk with usage and no choices; ``continuous_usage_stats``:
     usage (so far) in every chunk too."""
 
@@ -94,96 +60,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaSpec(_Request):
-    """``response_format.json_schema``: a named JSON schema the output must match.
-
-    ``strict`` is accepted for OpenAI's clients; the schema is always enforced exactly.
-    """
-
-    name: Text
-    description: Text | None = None
-    schema_: dict[Text, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class TagStructure(_Request):
-    """One tagged segment of vLLM's structural tag: text between ``begin`` and ``end`` is JSON
-    matching ``schema``."""
-
-    begin: Text
-    schema_: dict[Text, Any] = Field(alias="schema")
-    end: Text
-
-
-# The fields each ``response_format`` type takes besides ``type``.
-_FORMAT_FIELDS: dict[str, tuple[str, ...]] = {
-    "text": (),
-    "json_object": (),
-    "json_schema": ("json_schema",),
-    "structural_tag": ("structures", "triggers", "format"),
-}
-
-
-class ResponseFormat(_Request):
-    """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``), plus vLLM's
-    ``structural_tag``: either ``structures`` with ``triggers`` (vLLM's form) or ``format``
-    (xgrammar's structural tag), handed to the grammar engine as they are."""
-
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: JsonSchemaSpec | None = None
-    structures: list[TagStructure] | None = None
-    triggers: list[Text] | None = None
-    format: dict[Text, Any] | None = None
-
-    def constraint(self) -> dict[str, Any] | None:
-        """The ``StructuredOutputsParams`` field this format sets, as ``{kind: value}``;
-        ``None`` for ``text``. Raises ``InvalidRequestError`` for a field the type lacks or
-        does not take."""
-        for name in type(self).model_fields:
-            if getattr(self, name) is not None and name not in ("type", *_FORMAT_FIELDS[self.type]):
-                raise InvalidRequestError(
-                    f"response_format.{name} does not apply to type {self.type!r}",
-                    f"response_format.{name}",
-                )
-        if self.type == "json_object":
-            return {"json_object": True}
-        if self.type == "json_schema":
-            if self.json_schema is None or self.json_schema.schema_ is None:
-                raise InvalidRequestError(
-                    "response_format of type 'json_schema' needs json_schema.schema, the JSON "
-                    "schema the output must match",
-                    "response_format.json_schema.schema",
-                )
-            return {"json": self.json_schema.schema_}
-        if self.type == "structural_tag":
-            if (self.format is None) == (self.structures is None or self.triggers is None):
-                raise InvalidRequestError(
-                    "response_format of type 'structural_tag' needs either format (xgrammar's "
-                    "structural tag) or structures with triggers (vLLM's)",
-                    "response_format",
-                )
-            tag = self.model_dump(
-                by_alias=True, exclude_none=True, include=set(type(self).model_fields)
-            )
-            return {"structural_tag": tag}
-        return None
-
-
-# vLLM's older per-field constraints -> the ``StructuredOutputsParams`` field each sets.
-_GUIDED = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-# vLLM's older per-request options, refused: ignoring one would silently change the output.
-_REFUSED = {
-    "guided_whitespace_pattern": "use structured_outputs.disable_any_whitespace for compact JSON",
-    "guided_decoding_backend": "the server's --structured-outputs-backend picks the grammar engine",
-}
-
-
-class SamplingRequest(_Request):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat: OpenAI's names plus vLLM's sampling extras.
 
     A field left unset takes the model's generation-config default, then ``SamplingParams``'s.
@@ -269,29 +146,13 @@ class SamplingRequest(_Request):
 
         Raises ``InvalidRequestError`` when two fields constrain the output, or one is invalid.
         """
-        extra = self.model_extra or {}
-        for name, instead in _REFUSED.items():
-            if extra.get(name) is not None:
-                raise InvalidRequestError(f"{name} is not supported per request; {instead}", name)
-        options = dict(self.structured_outputs or {})
-        given: dict[str, dict[str, Any]] = {}  # field -> the constraint it sets
-        for kind in KINDS:
-            if options.get(kind) not in (None, False):
-                given[f"structured_outputs.{kind}"] = {kind: options.pop(kind)}
-        if self.response_format is not None and (constraint := self.response_format.constraint()):
-            given["response_format"] = constraint
-        for name, kind in _GUIDED.items():
-            if getattr(self, name) is not None:
-                given[name] = {kind: getattr(self, name)}
-        if len(given) > 1:
-            first, second = list(given)[:2]
-            raise InvalidRequestError(
-                f"{first} and {second} both constrain the output; give only one", second
-            )
-        if not given and not options:
-            return None
-        params = StructuredOutputsParams.from_dict({**options, **next(iter(given.values()), {})})
-        if self.use_beam_search:
+        params = output_constraint(
+            self.response_format,
+            self.structured_outputs,
+            guided={name: getattr(self, name) for name in GUIDED_FIELDS},
+            extra=self.model_extra or {},
+        )
+        if params is not None and self.use_beam_search:
             raise InvalidRequestError(
                 "beam search cannot follow an output constraint", "use_beam_search"
             )
@@ -342,22 +203,7 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
-class CalledFunction(_Request):
-    """The function an earlier assistant turn called: ``arguments`` is its JSON text."""
-
-    name: Text
-    arguments: Text
-
-
-class MessageToolCall(_Request):
-    """One tool call of an earlier assistant turn (``messages[i].tool_calls``)."""
-
-    id: Text
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     """One chat turn, passed to the model's chat template: an assistant turn may carry its
     ``tool_calls``, a ``tool`` turn the ``tool_call_id`` it answers."""
 
@@ -366,33 +212,6 @@ class ChatMessage(_Request):
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: Text | None = None
-
-
-class FunctionDefinition(_Request):
-    """A function the model may call; ``parameters`` is the JSON schema of its arguments."""
-
-    name: Text
-    description: Text | None = None
-    parameters: dict[Text, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDefinition(_Request):
-    """One entry of ``tools``: OpenAI's ``{"type": "function", "function": {...}}``."""
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(_Request):
-    name: Text
-
-
-class NamedToolChoice(_Request):
-    """``tool_choice`` forcing one function: ``{"type": "function", "function": {"name"}}``."""
-
-    type: Literal["function"]
-    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -419,7 +238,7 @@ class ChatCompletionRequest(SamplingRequest):
         return [tool.model_dump(exclude_unset=True) for tool in self.tools or []]
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     """``POST /tokenize``: exactly one of ``prompt`` and ``messages``, with vLLM's fields.
 
     ``add_special_tokens`` defaults as in vLLM: on for a prompt, off for messages (the chat
@@ -466,17 +285,14 @@ _CHAT_ONLY_TOKENIZE_FIELDS = frozenset(
 )
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     """``POST /detokenize``."""
 
     model: Text | None = None
     tokens: TokenIds
 
 
-NonEmptyText = Annotated[Text, StringConstraints(min_length=1)]
-
-
-class LoadLoRAAdapterRequest(_Request):
+class LoadLoRAAdapterRequest(RequestModel):
     """``POST /v1/load_lora_adapter`` (vLLM's): serve the PEFT adapter in ``lora_path`` as the
     model ``lora_name``."""
 
@@ -484,7 +300,7 @@ class LoadLoRAAdapterRequest(_Request):
     lora_path: NonEmptyText
 
 
-class UnloadLoRAAdapterRequest(_Request):
+class UnloadLoRAAdapterRequest(RequestModel):
     """``POST /v1/unload_lora_adapter`` (vLLM's): the adapter by its name or its id."""
 
     lora_name: NonEmptyText | None = None
@@ -495,168 +311,3 @@ class UnloadLoRAAdapterRequest(_Request):
         if self.lora_name is None and self.lora_int_id is None:
             raise ValueError("give lora_name or lora_int_id")
         return self
-
-
-# ---------------------------------------------------------------------------------- responses
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    """Token counts of a response; ``cached_tokens`` were served from the prefix cache."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """One token's entry in ``prompt_logprobs`` (vLLM's shape)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# Per prompt position (the first is null), token id -> its entry.
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
-
-
-class CompletionChoice(BaseModel):
-    """A completion choice; the vLLM fields are null unless asked for."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-
-
-class CompletionResponse(BaseModel):
-    """A whole completion, or (streaming) one chunk of it; ``kv_transfer_params`` are what the
-    engine's KV connector returned for the request (on the response, or the chunk that finishes
-    the request), null without one."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ChatToolCall(BaseModel):
-    """A tool call of a reply; ``function.arguments`` is a JSON object's text."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(BaseModel):
-    """A reply: ``content`` is null when the model only called tools (or only reasoned);
-    ``reasoning_content`` holds the reasoning with ``--reasoning-parser``."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[ChatToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    """A whole chat completion; the vLLM prompt fields are null unless asked for, and
-    ``kv_transfer_params`` unless the engine's KV connector returned some."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCallItem(BaseModel):
-    """A streamed piece of call ``index``: the first has ``id``, ``type`` and the name; the
-    ``arguments`` pieces of an index concatenate to its arguments."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCallItem] | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    """One chunk of a streamed chat completion (``kv_transfer_params`` as in the response)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None

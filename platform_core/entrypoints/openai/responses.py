@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 
 from platform_core.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from platform_core.entrypoints.openai.errors import error_event
-from platform_core.entrypoints.openai.protocol import (
+from platform_core.entrypoints.openai.response_bodies import (
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,

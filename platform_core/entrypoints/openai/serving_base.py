@@ -25,11 +25,9 @@ from platform_core.entrypoints.openai.errors import RequestTimeoutError
 from platform_core.entrypoints.openai.limits import RequestLimits
 from platform_core.entrypoints.openai.metrics import RequestTracker, ServerMetrics
 from platform_core.entrypoints.openai.prepare import Preparer
-from platform_core.entrypoints.openai.protocol import (
-    SamplingRequest,
-    UsageInfo,
-    ignored_fields,
-)
+from platform_core.entrypoints.openai.protocol import SamplingRequest
+from platform_core.entrypoints.openai.request_base import ignored_fields
+from platform_core.entrypoints.openai.response_bodies import UsageInfo
 from platform_core.entrypoints.openai.serving_models import ServedModels
 from platform_core.errors import InvalidRequestError, RequestFailedError
 from platform_core.lora_request import LoRARequest

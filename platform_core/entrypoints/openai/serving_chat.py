@@ -27,17 +27,15 @@ from platform_core.entrypoints.openai.chat_parsing import (
     whole_tool_calls,
 )
 from platform_core.entrypoints.openai.deadline import RequestClock
-from platform_core.entrypoints.openai.protocol import (
+from platform_core.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from platform_core.entrypoints.openai.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
-    MessageToolCall,
     TokenLogprob,
     TopLogprob,
 )
@@ -51,6 +49,7 @@ from platform_core.entrypoints.openai.responses import (
 )
 from platform_core.entrypoints.openai.serving_base import Prompt, ServerContext, new_id
 from platform_core.entrypoints.openai.serving_beam import submit_or_search
+from platform_core.entrypoints.openai.tool_protocol import MessageToolCall
 from platform_core.errors import InvalidRequestError
 
 

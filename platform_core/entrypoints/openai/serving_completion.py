@@ -13,10 +13,10 @@ from starlette.responses import Response
 from platform_core.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from platform_core.engine.request_stream import RequestStream
 from platform_core.entrypoints.openai.deadline import RequestClock
-from platform_core.entrypoints.openai.protocol import (
+from platform_core.entrypoints.openai.protocol import CompletionRequest
+from platform_core.entrypoints.openai.response_bodies import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
 )
 from platform_core.entrypoints.openai.responses import (

@@ -22,7 +22,7 @@ from platform_core.entrypoints.openai.tool_parsers.messages import (
     ToolCall,
     new_call_id,
 )
-from platform_core.reasoning.resumable import ResumableStream
+from platform_core.parsing.resumable import ResumableStream
 
 Piece = str | ParsedCall
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from platform_core.entrypoints.openai.tool_parsers.base import ToolParser
-from platform_core.reasoning.plugin_registry import ParserRegistry
+from platform_core.parsing.plugin_registry import ParserRegistry
 
 #: Entry-point group of third-party tool parsers: each entry point names a ToolParser subclass,
 #: registered under the entry point's name.
