@@ -276,6 +276,21 @@ def test_no_segments_and_no_tokens(ops):
         assert torch.equal(expanded(expand, case, torch.randn(buffer.shape)), case.out)
 
 
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_activations_and_weights_of_different_dtypes(path):
+    """bf16 activations and outputs with float32 adapter weights, and the other way round."""
+    shrink, expand = OPS[path]()
+    for activations, weights in ((torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)):
+        case = case_of("wide-s2-r40", activations)
+        lora_a, lora_b = case.lora_a.to(weights), case.lora_b.to(weights)
+        want = lora_shrink(case.x, lora_a, case.mapping)
+        assert_close(shrink(case.x, lora_a, case.mapping), want, torch.bfloat16)
+        out, out_want = case.out.clone(), case.out.clone()
+        expand(out, want, lora_b, case.slice_sizes, case.mapping)
+        lora_expand(out_want, want, lora_b, case.slice_sizes, case.mapping)
+        assert_close(out, out_want, activations)
+
+
 def test_expand_on_a_strided_output(ops):
     """``out`` as a column slice of a wider tensor: the other columns are untouched."""
     shrink, expand = ops
