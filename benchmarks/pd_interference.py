@@ -31,7 +31,8 @@ of the decode and prefill instances over the disaggregated phase
 
     python benchmarks/pd_interference.py [--quick] [--duration 60] [--streams 4]
         [--long-prompt-len 2048] [--long-in-flight 1 | --long-interval 10] [--model DIR]
-        [--serve-args "--max-num-batched-tokens 512"] [--base-port 8300] [--save-result F]
+        [--serve-args "--max-num-batched-tokens 512"] [--kv-extra-config JSON] [--base-port 8300]
+        [--save-result F]
 
 A full default run takes about 6 minutes on 2 cores; ``--quick`` about 2.
 """
@@ -405,8 +406,9 @@ def disaggregated_phases(
         (args.prefill_cpus, args.decode_cpus) if args.prefill_cpus else split_cpus()
     )
     note(f"starting prefill (cpus {prefill_cpus}), decode (cpus {decode_cpus}) and the proxy")
-    producer = {"kv_connector": "tcp", "kv_role": "kv_producer", "kv_port": ports.kv}
-    consumer = {"kv_connector": "tcp", "kv_role": "kv_consumer"}
+    extra = {"kv_connector_extra_config": args.kv_extra_config} if args.kv_extra_config else {}
+    producer = {"kv_connector": "tcp", "kv_role": "kv_producer", "kv_port": ports.kv, **extra}
+    consumer = {"kv_connector": "tcp", "kv_role": "kv_consumer", **extra}
     urls = {role: f"http://127.0.0.1:{getattr(ports, role)}" for role in ("decode", "prefill")}
     proxy_argv = ["proxy", "--prefill", urls["prefill"], "--decode", urls["decode"]]
     specs = [
@@ -483,6 +485,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=TokenSpace.parse,
         default=TokenSpace(1000, 30000),
         help="prompt token ids LOW:HIGH (default: 1000:30000, inside any Llama vocabulary)",
+    )
+    parser.add_argument(
+        "--kv-extra-config",
+        type=json.loads,
+        default=None,
+        help="the connector's kv_connector_extra_config on both instances, JSON (e.g. "
+        "'{\"verify_checksums\": false}')",
     )
     parser.add_argument("--prefill-cpus", help="taskset list (default: the first half)")
     parser.add_argument("--decode-cpus", help="taskset list (default: the second half)")
