@@ -35,6 +35,7 @@ from starlette.responses import Response
 
 from platform_core.cli.main import build_parser
 from platform_core.entrypoints.proxy.config import ProxyConfig
+from platform_core.entrypoints.proxy.health import HealthChecker, record_health
 from platform_core.entrypoints.proxy.routing import NoHealthyUpstream, UpstreamPool
 from platform_core.errors import ConfigError
 
@@ -448,6 +449,55 @@ def test_pool_policies_pick_only_healthy_instances(policy):
 
 
 # ------------------------------------------------------------ instances out of rotation
+def poll_once(checker: HealthChecker) -> None:
+    asyncio.run(checker.check())
+
+
+def test_polls_take_an_instance_out_after_two_failures_in_a_row_and_a_refusal_at_once():
+    answers: dict[str, object] = {"a": 503, "b": 200}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = answers[request.url.host]
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer)
+
+    pool = UpstreamPool("decode", ["http://a", "http://b"], "round-robin")
+    a, b = pool.upstreams
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    checker = HealthChecker(client, [pool], interval=1.0, timeout=1.0)
+    poll_once(checker)
+    assert (a.healthy, a.detail, b.healthy, b.detail) == (True, "HTTP 503", True, "HTTP 200")
+    poll_once(checker)  # the second failure in a row
+    assert (a.healthy, a.detail) == (False, "HTTP 503")
+    answers["a"] = 200
+    poll_once(checker)
+    assert (a.healthy, a.failed_polls) == (True, 0)
+    answers["a"] = RuntimeError("not an httpx error")  # the poller survives any failure
+    poll_once(checker)
+    poll_once(checker)
+    assert (a.healthy, a.detail) == (False, "RuntimeError: not an httpx error")
+    answers["b"] = httpx.ConnectError("refused")
+    poll_once(checker)
+    assert (b.healthy, b.detail) == (False, "ConnectError: refused")
+
+
+def test_a_poll_answered_after_a_failed_connect_does_not_put_the_instance_back():
+    pool = UpstreamPool("prefill", ["http://a"], "round-robin")
+    (a,) = pool.upstreams
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        record_health("prefill", a, False, "ConnectError")  # a request failed meanwhile
+        return httpx.Response(200)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    poll_once(HealthChecker(client, [pool], interval=1.0, timeout=1.0))
+    assert (a.healthy, a.detail) == (False, "ConnectError")
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(200)))
+    poll_once(HealthChecker(client, [pool], interval=1.0, timeout=1.0))
+    assert (a.healthy, a.detail) == (True, "HTTP 200")
+
+
 def healthy_gauge(url: str, side: str, upstream: str) -> float:
     """The proxy at ``url``'s ``upstream_healthy`` gauge for one instance."""
     labels = (("side", side), ("upstream", upstream))
@@ -543,7 +593,7 @@ def test_a_side_without_a_healthy_instance_is_a_503_naming_it(p1, d1, side):
         samples = metrics(url)
     assert not p1.state.received and not d1.state.received  # no prefill without a decode side
     for route, _ in ROUTES:
-        outcome = (("endpoint", route), ("outcome", "upstream_error"))
+        outcome = (("endpoint", route), ("outcome", "unavailable"))
         assert samples[("platform_core_proxy_requests_total", outcome)] == 1
 
 
@@ -690,6 +740,9 @@ def test_the_command_line_and_config_are_checked():
     for bad in (
         {"prefill": ()},
         {"decode": ("d:1",)},
+        {"decode": ("http://d:port",)},
+        {"decode": ("http://d:70000",)},
+        {"prefill": ("http://",)},
         {"routing": "random"},
         {"api_key": " "},
         {"connect_timeout": 0},

@@ -59,11 +59,13 @@ def build_proxy_app(config: ProxyConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await checker.check()  # no request is routed to an instance found down at the start
         polling = asyncio.create_task(checker.run())
-        yield
-        polling.cancel()
-        with suppress(asyncio.CancelledError):
-            await polling
-        await client.aclose()
+        try:
+            yield
+        finally:
+            polling.cancel()
+            with suppress(asyncio.CancelledError):
+                await polling
+            await client.aclose()
 
     app = FastAPI(
         title="platform-core proxy",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from platform_core.entrypoints.openai.limits import DEFAULT_MAX_BODY_BYTES
 from platform_core.errors import ConfigError
@@ -50,6 +51,15 @@ class ProxyConfig:
 
 
 def _base_url(url: str, side: str) -> str:
-    if not url.startswith(("http://", "https://")):
+    """``url`` without a trailing ``/``, refused unless an http(s) URL with a host (and a
+    numeric port, if it has one)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
         raise ConfigError(f"{side} instance {url!r} is not an http:// or https:// URL")
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError as exc:
+        raise ConfigError(f"{side} instance {url!r} has a bad port: {exc}") from exc
+    if not parts.hostname:
+        raise ConfigError(f"{side} instance {url!r} has no host")
     return url.rstrip("/")

@@ -102,7 +102,8 @@ class Disaggregator:
     async def generate(self, endpoint: Endpoint, request: Request) -> Response:
         """Prefill, then decode; a refusal (4xx) of the prefill instance is the answer as it
         is, an upstream that fails is a 502 naming its side, and a side without a healthy
-        instance a 503 naming it (no prefill is run without a healthy decode instance)."""
+        instance a 503 naming it (no prefill is started while no decode instance is healthy;
+        one found down after the prefill still makes the answer a 503)."""
         headers = forwarded_headers(request)
         try:
             body = await json_object(request)
@@ -150,7 +151,7 @@ class Disaggregator:
 
     def _unavailable(self, endpoint: str, exc: NoHealthyUpstream) -> Response:
         """Record a request refused for want of a healthy instance; the client's 503."""
-        self._count(endpoint, "upstream_error")
+        self._count(endpoint, "unavailable")
         return exc.response()
 
     async def _send(

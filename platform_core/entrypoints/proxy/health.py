@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,9 +17,17 @@ from platform_core.entrypoints.proxy.upstream import describe
 logger = logging.getLogger("platform_core.proxy")
 
 
+# Health polls that must fail in a row (a timeout or a status other than 200) before an
+# instance leaves the rotation: one slow answer under load is not a down instance. Refused
+# connections take it out at once.
+FAILED_POLLS_TO_EVICT = 2
+
+
 def record_health(side: str, upstream: Upstream, healthy: bool, detail: str) -> None:
     """Set ``upstream``'s health (``detail``: how, or why not); log when it changes."""
     upstream.detail = detail
+    if not healthy:
+        upstream.marked_down_at = time.monotonic()
     if healthy == upstream.healthy:
         return
     upstream.healthy = healthy
@@ -30,7 +39,10 @@ def record_health(side: str, upstream: Upstream, healthy: bool, detail: str) -> 
 
 class HealthChecker:
     """Asks every instance's ``/health`` every ``interval`` seconds, each answer within
-    ``timeout``: 200 is healthy; any other status, a timeout or no connection is not."""
+    ``timeout``: 200 is healthy; a refused connection is down at once, and a timeout, any
+    other status or failure is down after ``FAILED_POLLS_TO_EVICT`` polls in a row. An answer
+    to a poll sent before the instance was last marked down (by a request that could not
+    connect) is not taken as healthy."""
 
     def __init__(
         self,
@@ -56,13 +68,29 @@ class HealthChecker:
             await self.check()
 
     async def _check(self, side: str, upstream: Upstream) -> None:
+        sent = time.monotonic()
         try:
             response = await self.client.get(upstream.url + "/health", timeout=self.timeout)
-        except httpx.HTTPError as exc:
+        except httpx.ConnectError as exc:  # nothing listens there: out now
+            upstream.failed_polls = FAILED_POLLS_TO_EVICT
             record_health(side, upstream, False, describe(exc))
             return
-        healthy = response.status_code == 200
-        record_health(side, upstream, healthy, f"HTTP {response.status_code}")
+        except Exception as exc:  # whatever went wrong, the poller keeps polling
+            self._failed(side, upstream, describe(exc))
+            return
+        if response.status_code != 200:
+            self._failed(side, upstream, f"HTTP {response.status_code}")
+        elif upstream.marked_down_at < sent:
+            upstream.failed_polls = 0
+            record_health(side, upstream, True, "HTTP 200")
+
+    @staticmethod
+    def _failed(side: str, upstream: Upstream, detail: str) -> None:
+        upstream.failed_polls += 1
+        if upstream.failed_polls >= FAILED_POLLS_TO_EVICT:
+            record_health(side, upstream, False, detail)
+        else:
+            upstream.detail = detail
 
 
 def health_report(pools: Sequence[UpstreamPool]) -> tuple[bool, dict[str, Any]]:

@@ -13,8 +13,9 @@ from platform_core.entrypoints.proxy.routing import UpstreamPool
 
 PREFIX = "platform_core_proxy_"
 # How a request ended: answered 2xx; refused (4xx, from an upstream or the proxy); failed at
-# an upstream (502, or a stream cut); the client left before the end.
-Outcome = Literal["success", "client_error", "upstream_error", "disconnected"]
+# an upstream (502, or a stream cut); refused for want of a healthy instance of a side (503);
+# the client left before the end.
+Outcome = Literal["success", "client_error", "upstream_error", "unavailable", "disconnected"]
 _LATENCY_BUCKETS = (
     *(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75),
     *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0),

@@ -14,12 +14,15 @@ from platform_core.entrypoints.openai.errors import error_response
 @dataclass(eq=False)
 class Upstream:
     """One instance: its base URL, the proxy's own count of its requests in flight, and its
-    health as last found (``detail``: how, or why not)."""
+    health as last found (``detail``: how, or why not; ``failed_polls``: health polls failed
+    in a row; ``marked_down_at``: when it last left the rotation, monotonic seconds)."""
 
     url: str
     in_flight: int = 0
     healthy: bool = True
     detail: str = "not checked yet"
+    failed_polls: int = 0
+    marked_down_at: float = float("-inf")
 
 
 class NoHealthyUpstream(Exception):
