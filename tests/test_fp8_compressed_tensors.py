@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from platform_core import LLM
 from platform_core.errors import ModelLoadError
+from platform_core.models.fp8_compressed_tensors import compressed_fp8_scheme
 
 COMMON = {"backend": "template", "dtype": "float32", "quantization": "fp8"}
 HF_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
@@ -184,3 +185,18 @@ def test_other_compressed_tensors_schemes_are_refused_naming_why(
     shutil.copy(model_dir / "model.safetensors", out)
     with pytest.raises(ModelLoadError, match=rf"compressed-tensors checkpoint with .*{refusal}"):
         LLM(str(out), backend="template")
+
+
+def test_a_dense_sparsity_config_is_no_sparsity_and_activations_read_in_words(tmp_path):
+    """Older llm-compressor releases write ``sparsity_config: {"format": "dense", ...}`` beside
+    FP8 weights: the weights are stored as they are, so the checkpoint loads."""
+    dense = {"format": "dense", "global_sparsity": 0.0, "sparsity_structure": "unstructured"}
+    no_strategy = {**DYNAMIC, "strategy": None}
+    scheme = compressed_fp8_scheme(
+        _config(sparsity_config=dense, input_activations=no_strategy), tmp_path
+    )
+    assert (scheme.targets, scheme.ignore) == (("Linear",), ("lm_head",))
+    assert scheme.activations == "8-bit float, dynamic"
+    assert compressed_fp8_scheme(_config(input_activations=STATIC), tmp_path).activations == (
+        "8-bit float, static, per tensor"
+    )

@@ -31,9 +31,9 @@ SCALE_SUFFIXES = (".weight_scale", ".input_scale")
 
 
 def stored_fp8(model_dir: Path) -> bool:
-    """Whether ``model_dir``'s ``config.json`` declares FP8 weights (a ModelLoadError for the
-    FP8 layouts not supported); logs the activation quantization it declares, computed
-    without."""
+    """Whether ``model_dir``'s ``config.json`` declares FP8 weights (a ModelLoadError for
+    block-wise FP8 scales and for compressed-tensors schemes other than the FP8 ones loaded);
+    logs the activation quantization it declares, computed without."""
     scheme = fp8_scheme(model_dir)
     if scheme is not None and scheme.activations:
         logger.info(

@@ -52,7 +52,12 @@ def compressed_fp8_scheme(quant: dict[str, Any], model_dir: Path) -> Fp8Scheme:
     """The FP8 scheme of a compressed-tensors ``quantization_config``; a ModelLoadError naming
     what it declares that is not FP8 weights with a scale per tensor or per output channel."""
     for key, what in _UNSUPPORTED.items():
-        if quant.get(key):
+        declared = quant.get(key)
+        # A "dense" sparsity config (older llm-compressor releases write one) stores the
+        # weights as they are: nothing to do for it.
+        if key == "sparsity_config" and isinstance(declared, dict):
+            declared = declared.get("format", "dense") != "dense"
+        if declared:
             raise _refused(model_dir, f"{what} ({key})")
     groups = quant.get("config_groups") or {}
     if not groups:
@@ -95,8 +100,11 @@ def _group_problem(group: Any, default_format: str | None) -> str | None:
 
 def _describe(args: dict[str, Any]) -> str:
     """``"8-bit float, dynamic, per token"``: quantization arguments in words."""
-    timing = "dynamic" if args.get("dynamic") else "static"
-    return f"{args.get('num_bits')}-bit {args.get('type')}, {timing}, per {args.get('strategy')}"
+    words = [f"{args.get('num_bits')}-bit {args.get('type')}"]
+    words.append("dynamic" if args.get("dynamic") else "static")
+    if args.get("strategy"):
+        words.append(f"per {args['strategy']}")
+    return ", ".join(words)
 
 
 def _names(target: str, module: str) -> bool:
