@@ -16,9 +16,13 @@ each restarted as it finishes; a phase ends when the streams started before its 
   ``platform-core proxy``, steady decodes only: what the split and the proxy cost;
 - ``disaggregated``: the same instances, the same traffic as ``colocated``.
 
-The proxy and this client run unpinned. Every instance runs with the CPU backend's thread
-governor off unless ``PLATFORM_CORE_CPU_ADAPTIVE_THREADS`` is set: it would drop threads for
-the client's and the other instances' load, and the split of the cores is what is measured.
+The proxy and this client stand in for a front end on other machines: they run on
+``--front-cpus`` (default: the prefill instance's cores) in every phase, so the client's own
+work never lands on the decode instance's cores (left unpinned, the scheduler moves it there
+whenever the prefill core is busy, and the decode ITL measured would be the client's). Every
+instance runs with the CPU backend's thread governor off unless
+``PLATFORM_CORE_CPU_ADAPTIVE_THREADS`` is set: it would drop threads for the client's and the
+other instances' load, and the split of the cores is what is measured.
 
 Decode ITL is every gap between token-carrying chunks of the steady streams after their first
 token (``platform_core.bench.serve.send_request``); long-prompt TTFT is from sending to the
@@ -32,7 +36,7 @@ of the decode and prefill instances over the disaggregated phase
     python benchmarks/pd_interference.py [--quick] [--duration 60] [--streams 4]
         [--long-prompt-len 2048] [--long-in-flight 1 | --long-interval 10] [--model DIR]
         [--serve-args "--max-num-batched-tokens 512"] [--kv-extra-config JSON] [--base-port 8300]
-        [--save-result F]
+        [--prefill-cpus 0 --decode-cpus 1] [--front-cpus 0] [--save-result F]
 
 A full default run takes about 6 minutes on 2 cores; ``--quick`` about 2.
 """
@@ -120,19 +124,18 @@ class Server:
 
 @contextlib.contextmanager
 def servers(
-    specs: list[tuple[str, list[str], int, str | None]], log_dir: Path, start_timeout_s: float
+    specs: list[tuple[str, list[str], int, str]], log_dir: Path, start_timeout_s: float
 ) -> Iterator[dict[str, Server]]:
-    """Start ``(name, platform-core argv, port, cpus or None)`` each, wait until all are
+    """Start ``(name, platform-core argv, port, taskset list)`` each, wait until all are
     healthy, yield them by name; stop them all on the way out, whatever happens."""
     env = {ADAPTIVE_THREADS_ENV: "0", **os.environ}  # fixed threads: see the module's doc
     with contextlib.ExitStack() as stack:
         started: dict[str, Server] = {}
         for name, argv, port, cpus in specs:
-            pin = ["taskset", "-c", cpus] if cpus else []
             log = log_dir / f"{name}.log"
             with log.open("w") as out:
                 process = subprocess.Popen(
-                    [*pin, sys.executable, "-m", "platform_core.cli.main", *argv],
+                    ["taskset", "-c", cpus, sys.executable, "-m", "platform_core.cli.main", *argv],
                     env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -152,13 +155,39 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def split_cpus() -> tuple[str, str]:
-    """The cores this process may use, first half for prefill, the rest for decode."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit("disaggregation needs at least 2 cores to split")
-    half = len(cpus) // 2
-    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+@dataclass(frozen=True)
+class CoreSplit:
+    """``taskset`` lists: every core this process may use (the colocated instance's), the
+    prefill instance's, the decode instance's, and the front end's (the proxy and this
+    client)."""
+
+    everything: str
+    prefill: str
+    decode: str
+    front: str
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> CoreSplit:
+        """The flags', or the cores this process may use: the first half for prefill, the rest
+        for decode; the front end on the prefill half."""
+        cpus = sorted(os.sched_getaffinity(0))
+        if args.prefill_cpus:
+            prefill, decode = args.prefill_cpus, args.decode_cpus
+        elif len(cpus) < 2:
+            raise SystemExit("disaggregation needs at least 2 cores to split")
+        else:
+            half = len(cpus) // 2
+            prefill, decode = ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+        return cls(",".join(map(str, cpus)), prefill, decode, args.front_cpus or prefill)
+
+
+def cpu_set(taskset_list: str) -> set[int]:
+    """The cores of a ``taskset -c`` list such as ``0,2-3``."""
+    cores: set[int] = set()
+    for part in taskset_list.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
 
 # ---------------------------------------------------------------------------------- traffic
@@ -364,7 +393,7 @@ def note(text: str) -> None:
 def run_setup(
     args: argparse.Namespace,
     traffic: Traffic,
-    specs: list[tuple[str, list[str], int, str | None]],
+    specs: list[tuple[str, list[str], int, str]],
     names: tuple[str, str],
     log_dir: Path,
     kv_urls: dict[str, str] | None = None,
@@ -389,32 +418,33 @@ def run_setup(
 
 
 def colocated_phases(
-    args: argparse.Namespace, traffic: Traffic, ports: Ports, log_dir: Path
+    args: argparse.Namespace, traffic: Traffic, ports: Ports, log_dir: Path, cores: CoreSplit
 ) -> dict[str, Phase]:
     """``baseline`` and ``colocated`` on one instance with all cores."""
-    note("starting the colocated instance (all cores)")
-    spec = [("colocated", serve_argv(args, ports.colocated), ports.colocated, None)]
+    note(f"starting the colocated instance (cpus {cores.everything})")
+    argv = serve_argv(args, ports.colocated)
+    spec = [("colocated", argv, ports.colocated, cores.everything)]
     return run_setup(args, traffic, spec, ("baseline", "colocated"), log_dir)
 
 
 def disaggregated_phases(
-    args: argparse.Namespace, traffic: Traffic, ports: Ports, log_dir: Path
+    args: argparse.Namespace, traffic: Traffic, ports: Ports, log_dir: Path, cores: CoreSplit
 ) -> dict[str, Phase]:
     """``disagg-baseline`` and ``disaggregated``: prefill and decode instances on their halves
     of the cores, behind the proxy."""
-    prefill_cpus, decode_cpus = (
-        (args.prefill_cpus, args.decode_cpus) if args.prefill_cpus else split_cpus()
+    note(
+        f"starting prefill (cpus {cores.prefill}), decode (cpus {cores.decode}) and the proxy "
+        f"(cpus {cores.front})"
     )
-    note(f"starting prefill (cpus {prefill_cpus}), decode (cpus {decode_cpus}) and the proxy")
     extra = {"kv_connector_extra_config": args.kv_extra_config} if args.kv_extra_config else {}
     producer = {"kv_connector": "tcp", "kv_role": "kv_producer", "kv_port": ports.kv, **extra}
     consumer = {"kv_connector": "tcp", "kv_role": "kv_consumer", **extra}
     urls = {role: f"http://127.0.0.1:{getattr(ports, role)}" for role in ("decode", "prefill")}
     proxy_argv = ["proxy", "--prefill", urls["prefill"], "--decode", urls["decode"]]
     specs = [
-        ("prefill", serve_argv(args, ports.prefill, producer), ports.prefill, prefill_cpus),
-        ("decode", serve_argv(args, ports.decode, consumer), ports.decode, decode_cpus),
-        ("proxy", [*proxy_argv, "--port", str(ports.proxy)], ports.proxy, None),
+        ("prefill", serve_argv(args, ports.prefill, producer), ports.prefill, cores.prefill),
+        ("decode", serve_argv(args, ports.decode, consumer), ports.decode, cores.decode),
+        ("proxy", [*proxy_argv, "--port", str(ports.proxy)], ports.proxy, cores.front),
     ]
     names = ("disagg-baseline", "disaggregated")
     return run_setup(args, traffic, specs, names, log_dir, urls)
@@ -496,6 +526,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-cpus", help="taskset list (default: the first half)")
     parser.add_argument("--decode-cpus", help="taskset list (default: the second half)")
     parser.add_argument(
+        "--front-cpus", help="taskset list for the proxy and this client (default: prefill's)"
+    )
+    parser.add_argument(
         "--base-port",
         type=int,
         default=None,
@@ -532,13 +565,15 @@ def main(argv: list[str] | None = None) -> int:
         duration_s=args.duration,
         token_ids=tuple(args.token_id_range.candidates()),
     )
+    cores = CoreSplit.of(args)
+    os.sched_setaffinity(0, cpu_set(cores.front))  # this client: see the module's doc
     ports = Ports.pick(args.base_port)
     with contextlib.ExitStack() as stack:
         log_dir = Path(
             args.log_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="pd-"))
         )
-        phases = colocated_phases(args, traffic, ports, log_dir)
-        phases |= disaggregated_phases(args, traffic, ports, log_dir)
+        phases = colocated_phases(args, traffic, ports, log_dir, cores)
+        phases |= disaggregated_phases(args, traffic, ports, log_dir, cores)
     result = report(args, phases)
     if args.save_result:
         save_result(args.save_result, "pd_interference", vars(args), result)
