@@ -81,8 +81,9 @@ def add_proxy_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--health-interval",
         type=float,
         default=DEFAULT_HEALTH_INTERVAL,
-        help="seconds between two polls of every instance's /health: an instance that does not "
-        "answer 200 leaves the rotation until it does again "
+        help="seconds between two polls of every instance's /health: an instance that refuses "
+        "the connection, or twice in a row does not answer 200, leaves the rotation until it "
+        "does again "
         f"(default: {DEFAULT_HEALTH_INTERVAL:g})",
     )
     proxy.add_argument(
