@@ -67,7 +67,8 @@ def _case(fmt: QuantFormat, rows: int, n: int, blocks: int, dtype: torch.dtype, 
 @pytest.mark.parametrize(
     ("rows", "n", "blocks"),
     # One row (four weight rows per tile, and the remainder); 2-5 rows (tiles of two weight rows
-    # by up to four x rows, and their remainders); 8 and 16 (the last integer sizes) and 9, 17
+    # by up to five x rows, and their remainders); 6, 11 and 16 rows (tiles of 3 + 3, 4 + 4 + 3
+    # and 4 x 4); 8 and 16 (the last integer sizes) and 9, 17
     # and 77 (the dequantized matmul: 16-row vectors of x, up to three per tile); weight rows
     # off every tile and vector width, and 150 (bf16 panels of several 8-row tiles, the last
     # one short); 9 32-weight blocks (one more than an 8-block scale conversion) and 3.
@@ -77,6 +78,8 @@ def _case(fmt: QuantFormat, rows: int, n: int, blocks: int, dtype: torch.dtype, 
         (2, 5, 9),
         (3, 33, 3),
         (5, 97, 9),
+        (6, 21, 9),
+        (11, 13, 3),
         (8, 19, 3),
         (9, 12, 3),
         (16, 19, 3),

@@ -37,7 +37,10 @@ namespace {
 // and Q8_0 shapes, benchmarks/RESULTS.md): 5 where bf16 panels take more (AVX512-BF16), else 16.
 constexpr int64_t kIntegerRowsMaxBf16 = 5, kIntegerRowsMax = 16;
 constexpr int64_t kChunkElements = 1 << 22;  // weights dequantized per matmul (16 MiB fp32)
-constexpr int64_t kTileRows = 4;             // rows of x that share one decode of a weight row
+// Rows of x that share one decode of a weight row, at most: m rows run as ceil(m / 5) tiles of
+// sizes differing by one at most (5 rows as one tile, not 4 + 1: each tile decodes the weights
+// again, which costs about as much as two rows' dot products).
+constexpr int64_t kTileRows = 5;
 
 using namespace quant;  // the formats and their integer building blocks
 
@@ -174,12 +177,14 @@ inline void weight_rows(const RoundedRows<typename F::Activation>& x, int64_t m,
                         const float* bias, std::vector<float>& scratch, T* out) {
   float sums[kTileWeightRows][kTileRows];
   const uint8_t* wrows = w + row * row_bytes;
-  for (int64_t first = 0; first < m; first += kTileRows) {
-    const int64_t rows = std::min(kTileRows, m - first);
+  const int64_t tiles = (m + kTileRows - 1) / kTileRows;
+  for (int64_t tile = 0, first = 0, rows = 0; tile < tiles; ++tile, first += rows) {
+    rows = (m - first + (tiles - tile) - 1) / (tiles - tile);  // the rest, shared evenly
     if constexpr (WR == kTileWeightRows) {  // one row of x only
       dot_tile<F, WR, 1>(wrows, row_bytes, x, first, scratch, sums);
     } else {
       switch (rows) {
+        case 5: dot_tile<F, WR, 5>(wrows, row_bytes, x, first, scratch, sums); break;
         case 4: dot_tile<F, WR, 4>(wrows, row_bytes, x, first, scratch, sums); break;
         case 3: dot_tile<F, WR, 3>(wrows, row_bytes, x, first, scratch, sums); break;
         case 2: dot_tile<F, WR, 2>(wrows, row_bytes, x, first, scratch, sums); break;
