@@ -10,7 +10,7 @@ import torch
 from platform_core.errors import InvalidRequestError
 from platform_core.sample.metadata import GeneratorStore, SampleRow, build_sampling_metadata
 from platform_core.sample.processors import apply_allowed_bias_and_blocks, apply_penalties
-from platform_core.sample.sampler import Sampler, apply_top_k_top_p
+from platform_core.sample.sampler import Sampler, apply_top_k_top_p, fill_exponential
 from platform_core.sampling_params import SamplingParams
 
 EOS = 7
@@ -162,6 +162,20 @@ def test_temperature_sampling_follows_softmax_chi_square():
     expected = torch.softmax(logits.double() / temperature, dim=0) * draws
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     assert chi2 < 24.32, f"chi-square {chi2:.1f} exceeds the p=0.001 bound for 7 degrees of freedom"
+
+
+def test_exponential_noise_is_exp_1_above_zero_and_follows_its_generator():
+    draws = fill_exponential(torch.empty(200_000), torch.Generator().manual_seed(7))
+    assert float(draws.min()) > 0.0
+    assert abs(float(draws.mean()) - 1.0) < 0.01 and abs(float(draws.var()) - 1.0) < 0.03
+    for x in (0.1, 1.0, 3.0):  # the tail P(X > x) = exp(-x)
+        assert abs(float((draws > x).double().mean()) - math.exp(-x)) < 0.004
+    again = fill_exponential(torch.empty(200_000), torch.Generator().manual_seed(7))
+    assert torch.equal(draws, again)
+    # A uniform draw of 0 would be an exponential 0: floored to the smallest normal float.
+    zero = torch.zeros(3)
+    zero.uniform_ = lambda generator=None: zero  # type: ignore[method-assign]
+    assert fill_exponential(zero, None).tolist() == [torch.finfo(torch.float32).tiny] * 3
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
