@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -219,6 +219,31 @@ def test_the_cpu_path_matches_the_reference(name, dtype, path):
     got = shrink(case.x, case.lora_a, case.mapping)
     assert_close(got, want, dtype)
     assert_close(expanded(expand, case, want), expanded(lora_expand, case, want), dtype)
+
+
+@pytest.mark.parametrize("level", CPU_LEVELS)
+def test_the_compiled_expand_sees_slots_written_since_its_last_call(level):
+    """Its transposed copy of B is kept between calls, and made again after B is written."""
+    _, expand = _cpu_ops(level)
+    case = case_of("decode-s2-r16", torch.float32)
+    buffer = lora_shrink(case.x, case.lora_a, case.mapping)
+    first = expanded(expand, case, buffer)
+    assert_close(first, expanded(lora_expand, case, buffer), torch.float32)
+    case.lora_b[1].mul_(-3.0)  # another adapter loaded into slot 1, in place
+    second = expanded(expand, case, buffer)
+    assert not torch.equal(first, second)
+    assert_close(second, expanded(lora_expand, case, buffer), torch.float32)
+    with torch.inference_mode():  # no version counter: transposed on every call
+        frozen = case.lora_b.clone()
+    frozen_case = replace(case, lora_b=frozen)
+    assert_close(expanded(expand, frozen_case, buffer), second, torch.float32)
+    with torch.inference_mode():
+        frozen.mul_(2.0)
+    assert_close(
+        expanded(expand, frozen_case, buffer),
+        expanded(lora_expand, frozen_case, buffer),
+        torch.float32,
+    )
 
 
 def test_the_cpu_path_groups_tokens_by_slot_once_per_step():

@@ -3,8 +3,9 @@
 
 With the compiled kernels (``torch.ops.platform_core_cpu_<level>.lora_shrink`` /
 ``lora_expand``, ``csrc/lora.cpp``) each token is read with its own slot's weights in place:
-no gathered copies, no float32 copies of the weights, no scatter back, the deltas added to
-the output rows and rounded once. They run every token but those of segments of at least
+no gathered copies of the tokens, no scatter back, the deltas added to the output rows and
+rounded once. Expand takes each B transposed (``TransposedWeights``), made once per write of
+the slots instead of per call. They run every token but those of segments of at least
 ``MIN_GEMM_ROWS`` tokens (a prompt's chunk), where torch's GEMMs on the segment's rows are
 faster (not so for a slot's many short segments, which would need a gather and a scatter).
 They take float32 and bf16; other dtypes, and the torch path (no compiled kernels), run the
@@ -30,6 +31,7 @@ the conformance tolerance: torch's mixed-dtype add costs three times the roundin
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -143,6 +145,41 @@ def group_tokens(mapping: LoRAMapping, device: torch.device) -> StepGroups:
 
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# The compiled expand's B: columns of zeros past the last, and the multiple the width is of.
+EXPAND_PADDING, EXPAND_ALIGN = 64, 16
+
+
+class TransposedWeights:
+    """Each ``lora_b`` ``[L, N, R]`` as the compiled expand takes it: ``[L, R, W]`` in its
+    dtype, zeros past column N (W: a multiple of ``EXPAND_ALIGN`` at least ``N + EXPAND_PADDING``).
+
+    Kept per tensor and made again when the tensor was written since (its version counter: an
+    adapter loaded into a slot writes it in place); tensors without one (made in inference
+    mode) are transposed on every call. Entries of tensors gone are dropped as new ones come.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def of(self, lora_b: torch.Tensor) -> torch.Tensor:
+        """``lora_b`` transposed (the kept copy while ``lora_b`` is unchanged)."""
+        if lora_b.is_inference():
+            return _transposed(lora_b)
+        entry = self._by_id.get(id(lora_b))
+        if entry is not None and entry[0]() is lora_b and entry[1] == lora_b._version:
+            return entry[2]
+        self._by_id = {k: e for k, e in self._by_id.items() if e[0]() is not None}
+        transposed = _transposed(lora_b)
+        self._by_id[id(lora_b)] = (weakref.ref(lora_b), lora_b._version, transposed)
+        return transposed
+
+
+def _transposed(lora_b: torch.Tensor) -> torch.Tensor:
+    slots, columns, rank = lora_b.shape
+    width = (columns + EXPAND_ALIGN - 1) // EXPAND_ALIGN * EXPAND_ALIGN + EXPAND_PADDING
+    out = lora_b.new_zeros(slots, rank, width)
+    out[:, :, :columns].copy_(lora_b.transpose(1, 2))
+    return out
 
 
 def _kernel_takes(*tensors: torch.Tensor) -> bool:
@@ -159,6 +196,7 @@ class CpuLoRAOps:
     def __init__(self, compiled: Any = None) -> None:
         self._compiled = compiled
         self._last: tuple[LoRAMapping, StepGroups] | None = None
+        self._transposed = TransposedWeights()
 
     def groups(self, mapping: LoRAMapping, device: torch.device) -> StepGroups:
         """The grouping of ``mapping`` (made on first use in a step)."""
@@ -221,7 +259,7 @@ class CpuLoRAOps:
                 self._compiled.lora_expand(
                     out,
                     buffer if buffer.stride(2) == 1 else buffer.contiguous(),
-                    lora_b.contiguous(),
+                    self._transposed.of(lora_b),
                     step.short_slots,
                     list(slice_sizes),
                 )

@@ -57,7 +57,10 @@ void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
 
 // LoRA expand: out[t, part s] += buffer[s, t] @ lora_b[slot(t), rows of part s].T in place,
 // summed in float32 and rounded once to out's dtype (float32 or bf16), for tokens with a slot.
-void lora_expand(const at::Tensor& out, const at::Tensor& buffer, const at::Tensor& lora_b,
+// B comes transposed: lora_bt [L, R, W] float32 or bf16, lora_bt[l, r, n] = lora_b[l, n, r]
+// for the N columns of out, zeros from N to W (W a multiple of 16, at least N + 64: reads run
+// past the last column of a chunk by up to 63).
+void lora_expand(const at::Tensor& out, const at::Tensor& buffer, const at::Tensor& lora_bt,
                  const at::Tensor& token_slots, at::IntArrayRef slice_sizes);
 
 // Element conversions written on raw bits so that loops over them vectorize.

@@ -5,8 +5,9 @@
 // items of one slot each, so an item's weights stay in cache while it runs over its tokens:
 // - shrink: a tile of up to four tokens of one slot against a block of A's rows; each A vector
 //   loaded once meets every token of the tile (A is [rows, in], the dot runs along `in`).
-// - expand: one slot, one part, a chunk of output columns and up to 64 tokens; B's chunk
-//   ([columns, R], R innermost) is transposed once into a float scratch [R, columns], so each
+// - expand: one slot, one part, a chunk of output columns and up to 64 tokens, with B
+//   transposed to [R, columns] (its dtype) by the caller once per write of the slots (it
+//   was transposed here per call, for every slot and chunk: most of the op's time), so each
 //   token's delta is R broadcast multiply-adds per vector of columns, added to the output row in
 //   float32 and rounded once to its dtype.
 
@@ -28,7 +29,10 @@ constexpr int64_t kRowGroup = kLanes == 16 ? 4 : 2;     // shrink: A rows sharin
 constexpr int64_t kVectorGroup = kLanes == 16 ? 4 : 2;  // expand: column vectors per token
 constexpr int64_t kRowBlock = 16;                       // shrink: A rows per work item
 constexpr int64_t kColumnChunk = 8 * kLanes;            // expand: columns per work item
-constexpr int64_t kExpandTokens = 64;  // expand: tokens per work item (B's chunk is reused)
+constexpr int64_t kExpandTokens = 64;  // expand: tokens per work item
+// expand: columns of lora_bt past out's last one (zeros), and the multiple its width is of.
+constexpr int64_t kExpandPadding = 64, kExpandAlign = 16;
+static_assert(kVectorGroup * kLanes <= kExpandPadding);
 
 inline vecf load_wide(const float* p) { return loadv(p); }
 inline vecf load_wide(const uint16_t* p) { return widen(p); }
@@ -150,18 +154,20 @@ void shrink_impl(const at::Tensor& x, const at::Tensor& lora_a,
 }
 
 // out[t, columns] += buffer[t] @ B[columns].T for the tile's N tokens, with B's chunk
-// transposed into `bt` ([rank, kColumnChunk], zero past the chunk's `width` columns).
-template <int64_t N, typename O>
+// transposed at `bt` ([rank, width] with rows `bt_stride` apart; whole vectors are read past
+// `width`, and only `width` columns written).
+template <int64_t N, typename O, typename W>
 void expand_tile(O* out, int64_t out_stride, const float* buffer, int64_t buffer_stride,
-                 const int64_t* tokens, const float* bt, int64_t rank, int64_t width) {
+                 const int64_t* tokens, const W* bt, int64_t bt_stride, int64_t rank,
+                 int64_t width) {
   const float* b[N];
   for (int64_t j = 0; j < N; ++j) b[j] = buffer + tokens[j] * buffer_stride;
   for (int64_t first = 0; first < width; first += kVectorGroup * kLanes) {
     vecf acc[N][kVectorGroup] = {};
     for (int64_t r = 0; r < rank; ++r) {
-      const float* row = bt + r * kColumnChunk + first;
+      const W* row = bt + r * bt_stride + first;
       vecf w[kVectorGroup];
-      for (int64_t v = 0; v < kVectorGroup; ++v) w[v] = loadv(row + v * kLanes);
+      for (int64_t v = 0; v < kVectorGroup; ++v) w[v] = load_wide(row + v * kLanes);
       for (int64_t j = 0; j < N; ++j) {
         const vecf scale = splat(b[j][r]);
         for (int64_t v = 0; v < kVectorGroup; ++v) acc[j][v] += scale * w[v];
@@ -183,45 +189,14 @@ void expand_tile(O* out, int64_t out_stride, const float* buffer, int64_t buffer
   }
 }
 
-// bt[r][c] = B[c][r] widened to float for the chunk's `width` columns of B ([columns, rank]),
-// zero from `width` to kColumnChunk. Each inner loop writes one row of bt (the stores are
-// contiguous); bf16 weights are read as 32-bit (r, r + 1) pairs, two rows of bt at a time.
-inline void transpose_chunk(const float* w, int64_t rank, int64_t width, float* bt) {
-  for (int64_t r = 0; r < rank; ++r) {
-    float* row = bt + r * kColumnChunk;
-    for (int64_t c = 0; c < width; ++c) row[c] = w[c * rank + r];
-    std::fill(row + width, row + kColumnChunk, 0.0f);
-  }
-}
-
-inline void transpose_chunk(const uint16_t* w, int64_t rank, int64_t width, float* bt) {
-  int64_t r = 0;
-  for (; r + 1 < rank; r += 2) {
-    float* even = bt + r * kColumnChunk;
-    float* odd = even + kColumnChunk;
-    for (int64_t c = 0; c < width; ++c) {
-      uint32_t pair;
-      std::memcpy(&pair, w + c * rank + r, sizeof pair);
-      even[c] = std::bit_cast<float>(pair << 16);
-      odd[c] = std::bit_cast<float>(pair & 0xFFFF0000u);
-    }
-  }
-  for (; r < rank; ++r) {
-    for (int64_t c = 0; c < width; ++c) bt[r * kColumnChunk + c] = scalar_wide(w[c * rank + r]);
-  }
-  for (r = 0; r < rank; ++r) {
-    std::fill(bt + r * kColumnChunk + width, bt + (r + 1) * kColumnChunk, 0.0f);
-  }
-}
-
 template <typename O, typename W>
-void expand_impl(const at::Tensor& out, const at::Tensor& buffer, const at::Tensor& lora_b,
+void expand_impl(const at::Tensor& out, const at::Tensor& buffer, const at::Tensor& lora_bt,
                  const std::vector<int64_t>& slice_sizes,
                  const std::vector<std::vector<int64_t>>& by_slot) {
-  const int64_t n = lora_b.size(1), rank = lora_b.size(2);
+  const int64_t rank = lora_bt.size(1), bt_stride = lora_bt.size(2);
   auto* op = reinterpret_cast<O*>(out.data_ptr());
   const float* bp = buffer.data_ptr<float>();
-  const auto* wp = reinterpret_cast<const W*>(lora_b.data_ptr());
+  const auto* btp = reinterpret_cast<const W*>(lora_bt.data_ptr());
   struct Item {
     int64_t slot, part, first_column, width, first_token, count;
   };
@@ -242,21 +217,19 @@ void expand_impl(const at::Tensor& out, const at::Tensor& buffer, const at::Tens
   }
   const int64_t out_stride = out.stride(0), token_stride = buffer.stride(1);
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> bt(rank * kColumnChunk);
     for (int64_t i = begin; i < end; ++i) {
       const Item& item = items[i];
-      const W* w = wp + (item.slot * n + item.first_column) * rank;
-      transpose_chunk(w, rank, item.width, bt.data());
+      const W* bt = btp + item.slot * rank * bt_stride + item.first_column;
       O* o = op + item.first_column;
       const float* b = bp + item.part * buffer.stride(0);
       const int64_t* tokens = by_slot[item.slot].data() + item.first_token;
       for (int64_t t = 0; t < item.count; t += kTokenTile) {
         const int64_t* tile = tokens + t;
         switch (std::min(kTokenTile, item.count - t)) {
-          case 1: expand_tile<1>(o, out_stride, b, token_stride, tile, bt.data(), rank, item.width); break;
-          case 2: expand_tile<2>(o, out_stride, b, token_stride, tile, bt.data(), rank, item.width); break;
-          case 3: expand_tile<3>(o, out_stride, b, token_stride, tile, bt.data(), rank, item.width); break;
-          default: expand_tile<4>(o, out_stride, b, token_stride, tile, bt.data(), rank, item.width); break;
+          case 1: expand_tile<1>(o, out_stride, b, token_stride, tile, bt, bt_stride, rank, item.width); break;
+          case 2: expand_tile<2>(o, out_stride, b, token_stride, tile, bt, bt_stride, rank, item.width); break;
+          case 3: expand_tile<3>(o, out_stride, b, token_stride, tile, bt, bt_stride, rank, item.width); break;
+          default: expand_tile<4>(o, out_stride, b, token_stride, tile, bt, bt_stride, rank, item.width); break;
         }
       }
     }
@@ -290,16 +263,19 @@ void lora_shrink(const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor
   else shrink_impl<float, float>(x, lora_a, by_slot, out);
 }
 
-void lora_expand(const at::Tensor& out, const at::Tensor& buffer, const at::Tensor& lora_b,
+void lora_expand(const at::Tensor& out, const at::Tensor& buffer, const at::Tensor& lora_bt,
                  const at::Tensor& token_slots, at::IntArrayRef slice_sizes) {
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && is_float_or_bf16(out),
               "lora_expand: out must be a float32 or bf16 [T, N] tensor with contiguous rows");
   TORCH_CHECK(buffer.dim() == 3 && buffer.scalar_type() == at::kFloat && buffer.stride(2) == 1 &&
                   buffer.size(1) == out.size(0),
               "lora_expand: buffer must be a float32 [S, T, R] tensor, R contiguous");
-  TORCH_CHECK(lora_b.dim() == 3 && lora_b.is_contiguous() && is_float_or_bf16(lora_b) &&
-                  lora_b.size(1) == out.size(1) && lora_b.size(2) == buffer.size(2),
-              "lora_expand: lora_b must be a contiguous float32 or bf16 [L, N, R] tensor");
+  TORCH_CHECK(lora_bt.dim() == 3 && lora_bt.is_contiguous() && is_float_or_bf16(lora_bt) &&
+                  lora_bt.size(1) == buffer.size(2) &&
+                  lora_bt.size(2) >= out.size(1) + kExpandPadding &&
+                  lora_bt.size(2) % kExpandAlign == 0,
+              "lora_expand: lora_bt must be a contiguous float32 or bf16 [L, R, W] tensor, W a multiple "
+              "of ", kExpandAlign, " and at least out's columns + ", kExpandPadding);
   TORCH_CHECK(static_cast<int64_t>(slice_sizes.size()) == buffer.size(0),
               "lora_expand: one slice size per buffer part");
   std::vector<int64_t> sizes(slice_sizes.begin(), slice_sizes.end());
@@ -310,13 +286,13 @@ void lora_expand(const at::Tensor& out, const at::Tensor& buffer, const at::Tens
   }
   TORCH_CHECK(total == out.size(1), "lora_expand: slice sizes must sum to out's columns");
   TORCH_CHECK(token_slots.numel() == out.size(0), "lora_expand: one slot per token");
-  const auto by_slot = tokens_by_slot(token_slots, lora_b.size(0), "lora_expand");
+  const auto by_slot = tokens_by_slot(token_slots, lora_bt.size(0), "lora_expand");
   const bool o_bf16 = out.scalar_type() == at::kBFloat16;
-  const bool b_bf16 = lora_b.scalar_type() == at::kBFloat16;
-  if (o_bf16 && b_bf16) expand_impl<uint16_t, uint16_t>(out, buffer, lora_b, sizes, by_slot);
-  else if (o_bf16) expand_impl<uint16_t, float>(out, buffer, lora_b, sizes, by_slot);
-  else if (b_bf16) expand_impl<float, uint16_t>(out, buffer, lora_b, sizes, by_slot);
-  else expand_impl<float, float>(out, buffer, lora_b, sizes, by_slot);
+  const bool b_bf16 = lora_bt.scalar_type() == at::kBFloat16;
+  if (o_bf16 && b_bf16) expand_impl<uint16_t, uint16_t>(out, buffer, lora_bt, sizes, by_slot);
+  else if (o_bf16) expand_impl<uint16_t, float>(out, buffer, lora_bt, sizes, by_slot);
+  else if (b_bf16) expand_impl<float, uint16_t>(out, buffer, lora_bt, sizes, by_slot);
+  else expand_impl<float, float>(out, buffer, lora_bt, sizes, by_slot);
 }
 
 }  // namespace platform_core_cpu

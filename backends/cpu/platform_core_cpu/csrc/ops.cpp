@@ -32,7 +32,7 @@ PLATFORM_CORE_CPU_LIBRARY(PLATFORM_CORE_CPU_NAMESPACE, m) {
   m.def("lora_shrink(Tensor x, Tensor lora_a, Tensor token_slots, Tensor(a!) out) -> ()",
         &platform_core_cpu::lora_shrink);
   m.def(
-      "lora_expand(Tensor(a!) out, Tensor buffer, Tensor lora_b, Tensor token_slots, "
+      "lora_expand(Tensor(a!) out, Tensor buffer, Tensor lora_bt, Tensor token_slots, "
       "int[] slice_sizes) -> ()",
       &platform_core_cpu::lora_expand);
   m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()",
