@@ -4,7 +4,8 @@
 // Tokens are grouped by slot here (a counting pass over token_slots), and the work is split into
 // items of one slot each, so an item's weights stay in cache while it runs over its tokens:
 // - shrink: a tile of up to four tokens of one slot against a block of A's rows; each A vector
-//   loaded once meets every token of the tile (A is [rows, in], the dot runs along `in`).
+//   loaded once meets every token of the tile (A is [rows, in], the dot runs along `in`); with
+//   bf16 x and A on AVX512-BF16, vdpbf16ps on both as stored.
 // - expand: one slot, one part, a chunk of output columns and up to 64 tokens, with B
 //   transposed to [R, columns] (its dtype) by the caller once per write of the slots (it
 //   was transposed here per call, for every slot and chunk: most of the op's time), so each
@@ -17,7 +18,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace platform_core_cpu {
 namespace {
@@ -115,6 +121,41 @@ void shrink_tile(const float* xs, int64_t padded, const W* a, int64_t in, int64_
   }
 }
 
+#if defined(__AVX512BF16__)
+// shrink_tile for bf16 x and bf16 A on AVX512-BF16: x's rows read as stored (no widened copy),
+// 32 activations times 32 weights per vdpbf16ps, whose pair products are exact in fp32.
+template <int64_t N>
+void shrink_tile_bf16(const uint16_t* x, int64_t in, const uint16_t* a, int64_t first,
+                      int64_t end, const int64_t* tokens, float* out, int64_t out_stride) {
+  const int64_t vec_end = in - in % 32;
+  for (int64_t row = first; row < end; row += kRowGroup) {
+    const uint16_t* w[kRowGroup];
+    for (int64_t g = 0; g < kRowGroup; ++g) w[g] = a + std::min(row + g, end - 1) * in;
+    __m512 acc[N][kRowGroup];
+    for (int64_t j = 0; j < N; ++j) {
+      for (int64_t g = 0; g < kRowGroup; ++g) acc[j][g] = _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < vec_end; k += 32) {
+      __m512bh wk[kRowGroup];
+      for (int64_t g = 0; g < kRowGroup; ++g) wk[g] = (__m512bh)_mm512_loadu_si512(w[g] + k);
+      for (int64_t j = 0; j < N; ++j) {
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(x + tokens[j] * in + k);
+        for (int64_t g = 0; g < kRowGroup; ++g) acc[j][g] = _mm512_dpbf16_ps(acc[j][g], v, wk[g]);
+      }
+    }
+    for (int64_t j = 0; j < N; ++j) {
+      const uint16_t* xj = x + tokens[j] * in;
+      float* o = out + tokens[j] * out_stride;
+      for (int64_t g = 0; g < kRowGroup && row + g < end; ++g) {
+        float tail = 0.0f;
+        for (int64_t k = vec_end; k < in; ++k) tail += scalar_wide(w[g][k]) * scalar_wide(xj[k]);
+        o[row + g] = _mm512_reduce_add_ps(acc[j][g]) + tail;
+      }
+    }
+  }
+}
+#endif
+
 template <typename X, typename W>
 void shrink_impl(const at::Tensor& x, const at::Tensor& lora_a,
                  const std::vector<std::vector<int64_t>>& by_slot, const at::Tensor& out) {
@@ -140,9 +181,20 @@ void shrink_impl(const at::Tensor& x, const at::Tensor& lora_a,
     for (int64_t i = begin; i < end; ++i) {
       const Item& item = items[i];
       const int64_t* tokens = by_slot[item.slot].data() + item.first_token;
-      widen_rows(xp, in, tokens, item.count, padded, xs.data());
       const W* a = ap + item.slot * rows * in;
       const int64_t last = std::min(item.first_row + kRowBlock, rows);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<X, uint16_t> && std::is_same_v<W, uint16_t>) {
+        switch (item.count) {
+          case 1: shrink_tile_bf16<1>(xp, in, a, item.first_row, last, tokens, op, rows); break;
+          case 2: shrink_tile_bf16<2>(xp, in, a, item.first_row, last, tokens, op, rows); break;
+          case 3: shrink_tile_bf16<3>(xp, in, a, item.first_row, last, tokens, op, rows); break;
+          default: shrink_tile_bf16<4>(xp, in, a, item.first_row, last, tokens, op, rows); break;
+        }
+        continue;
+      }
+#endif
+      widen_rows(xp, in, tokens, item.count, padded, xs.data());
       switch (item.count) {
         case 1: shrink_tile<1>(xs.data(), padded, a, in, item.first_row, last, tokens, op, rows); break;
         case 2: shrink_tile<2>(xs.data(), padded, a, in, item.first_row, last, tokens, op, rows); break;
