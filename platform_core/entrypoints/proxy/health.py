@@ -72,7 +72,6 @@ class HealthChecker:
         try:
             response = await self.client.get(upstream.url + "/health", timeout=self.timeout)
         except httpx.ConnectError as exc:  # nothing listens there: out now
-            upstream.failed_polls = FAILED_POLLS_TO_EVICT
             record_health(side, upstream, False, describe(exc))
             return
         except Exception as exc:  # whatever went wrong, the poller keeps polling
